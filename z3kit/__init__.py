@@ -1,0 +1,1 @@
+"""z3kit: primitives for ZeRO-3 style fully sharded data parallel training."""

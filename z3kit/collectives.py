@@ -1,0 +1,222 @@
+"""Typed, async-capable collectives over an explicit process group.
+
+Every function takes the process group as an argument and never falls back
+to the default group. Reductions are SUM followed by an explicit scale,
+because gloo refuses PREMUL_SUM and has had AVG bugs, and HCCL has no AVG.
+Only contiguous tensors are accepted: gloo silently gives wrong results for
+non-contiguous views. Each call is counted, with its bytes, in an optional
+``CollectiveLog``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+# torch 2.13 renamed the single-tensor collectives; the old names warn there.
+_all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+class CollectiveKind(enum.Enum):
+    """The kinds of collective the log counts."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+
+
+@attrs.define
+class CollectiveLog:
+    """Calls and bytes per collective kind (bytes: the input each rank sends)."""
+
+    calls: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
+    bytes: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
+
+    def record(self, kind: CollectiveKind, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Plain-data copy: {kind: {"calls": n, "bytes": b}}."""
+        return {k.value: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in CollectiveKind}
+
+    def reset(self) -> None:
+        for k in CollectiveKind:
+            self.calls[k] = 0
+            self.bytes[k] = 0
+
+
+class Pending:
+    """Handle of a collective that may still be running.
+
+    ``wait()`` blocks until it is done and then runs the follow-up (the
+    scale of a reduction, the copy-out of a gather) exactly once. For a
+    synchronous call the work is already done and ``wait`` only runs the
+    follow-up.
+    """
+
+    __slots__ = ("_work", "_then", "_done")
+
+    def __init__(self, work: Any | None, then: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._then = then
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def is_completed(self) -> bool:
+        """True once the collective finished (``wait`` will not block)."""
+        return self._done or self._work is None or bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        if self._then is not None:
+            self._then()
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (gloo silently corrupts strided views); call .contiguous()")
+
+
+def _check_pair(out: torch.Tensor, inp: torch.Tensor) -> None:
+    _check_tensor("output", out)
+    _check_tensor("input", inp)
+    if out.dtype != inp.dtype:
+        raise TypeError(f"output dtype {out.dtype} differs from input dtype {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"output is on {out.device} but input is on {inp.device}")
+
+
+def _check_group(group: ProcessGroup | None) -> ProcessGroup:
+    if group is None:
+        raise ValueError("a process group is required; z3kit never uses the default group implicitly")
+    return group
+
+
+def _check_scale(scale: float) -> None:
+    if not (scale == scale) or scale in (float("inf"), float("-inf")):  # NaN or inf
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def _scaler(tensor: torch.Tensor, scale: float) -> Callable[[], None] | None:
+    if scale == 1.0:
+        return None
+
+    def apply() -> None:
+        tensor.mul_(scale)
+
+    return apply
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    async_op: bool = False,
+    log: CollectiveLog | None = None,
+) -> Pending:
+    """Gather every rank's ``input`` into ``output`` (rank-major, ``world * input.numel()``)."""
+    group = _check_group(group)
+    _check_pair(output, input)
+    world = dist.get_world_size(group)
+    if output.numel() != world * input.numel():
+        raise ValueError(
+            f"all_gather output has {output.numel()} elements; expected world_size ({world}) x "
+            f"input ({input.numel()}) = {world * input.numel()}"
+        )
+    if log is not None:
+        log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
+    work = _all_gather_single(output, input, group=group, async_op=async_op)
+    return Pending(work if async_op else None)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    scale: float = 1.0,
+    async_op: bool = False,
+    log: CollectiveLog | None = None,
+) -> Pending:
+    """Sum ``input`` (rank-major chunks of ``output``'s size) over ranks; this
+    rank's chunk lands in ``output``, then is multiplied by ``scale``."""
+    group = _check_group(group)
+    _check_pair(output, input)
+    _check_scale(scale)
+    world = dist.get_world_size(group)
+    if input.numel() != world * output.numel():
+        raise ValueError(
+            f"reduce_scatter input has {input.numel()} elements; expected world_size ({world}) x "
+            f"output ({output.numel()}) = {world * output.numel()}"
+        )
+    if log is not None:
+        log.record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
+    work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    pending = Pending(work if async_op else None, _scaler(output, scale))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    scale: float = 1.0,
+    async_op: bool = False,
+    log: CollectiveLog | None = None,
+) -> Pending:
+    """Sum ``tensor`` in place over ranks, then multiply it by ``scale``."""
+    group = _check_group(group)
+    _check_tensor("tensor", tensor)
+    _check_scale(scale)
+    if log is not None:
+        log.record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    pending = Pending(work if async_op else None, _scaler(tensor, scale))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src_rank: int,
+    group: ProcessGroup | None,
+    *,
+    log: CollectiveLog | None = None,
+) -> None:
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank (synchronous)."""
+    group = _check_group(group)
+    _check_tensor("tensor", tensor)
+    world = dist.get_world_size(group)
+    if not 0 <= src_rank < world:
+        raise ValueError(f"src_rank must be in [0, {world}), got {src_rank}")
+    if log is not None:
+        log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
+    dist.broadcast(tensor, group_src=src_rank, group=group)

@@ -1,0 +1,173 @@
+"""FlatBucket: a preallocated contiguous gradient bucket.
+
+Gradients are copied into slices of one flat buffer so that a single
+collective reduces many of them. Two layouts, one per reduction path:
+
+* ``ReduceMode.ALL_REDUCE``: parameter-major. Each gradient takes its padded
+  length ``world * shard_numel`` contiguously; after the all-reduce this
+  rank's partition is the ``rank``-th chunk of that slice. Cheapest on gloo,
+  which emulates reduce-scatter with an all-reduce anyway.
+* ``ReduceMode.REDUCE_SCATTER``: rank-major. The buffer is viewed as
+  ``(world, capacity // world)``; a gradient's padded form, viewed as
+  ``(world, shard_numel)``, fills columns ``[col, col + shard_numel)``. Rank
+  ``r``'s row is then exactly its partitions back to back, so one
+  reduce-scatter leaves every partition of the bucket on its rank. Half the
+  traffic of an all-reduce on NCCL and HCCL.
+
+Padding is zero-filled on every add, so partitions of parameters whose size
+is not a multiple of the world size end in zeros.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
+from z3kit.shard import shard_numel_for
+
+
+class ReduceMode(enum.Enum):
+    """How a bucket is reduced."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+class BucketFlush:
+    """An issued bucket reduction. ``wait()`` returns ``[(key, partition)]``.
+
+    The partitions are views into the bucket's buffers: consume them (copy
+    or add them elsewhere) before the bucket takes new gradients.
+    """
+
+    __slots__ = ("_pending", "_parts", "_bucket")
+
+    def __init__(self, bucket: FlatBucket, pending: Pending, parts: list[tuple[int, torch.Tensor]]) -> None:
+        self._bucket = bucket
+        self._pending = pending
+        self._parts = parts
+
+    def wait(self) -> list[tuple[int, torch.Tensor]]:
+        self._pending.wait()
+        self._bucket._in_flight = None
+        return self._parts
+
+
+class FlatBucket:
+    """``capacity`` elements of gradient storage reduced by one collective."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        rank: int,
+        world: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        mode: ReduceMode = ReduceMode.ALL_REDUCE,
+    ) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+        if capacity < world:
+            raise ValueError(f"capacity must be at least the world size ({world}), got {capacity}")
+        if not dtype.is_floating_point:
+            raise TypeError(f"gradient buckets hold floating-point values, got {dtype}")
+        self.rank, self.world, self.mode = rank, world, mode
+        self.capacity = capacity - capacity % world
+        self.buffer = torch.empty(self.capacity, dtype=dtype, device=device)
+        self._out = (
+            torch.empty(self.capacity // world, dtype=dtype, device=device)
+            if mode is ReduceMode.REDUCE_SCATTER
+            else None
+        )
+        self._used = 0  # elements (all-reduce) or columns x world (reduce-scatter)
+        self._entries: list[tuple[int, int, int]] = []  # (key, offset or column, shard_numel)
+        self._in_flight: BucketFlush | None = None
+
+    @property
+    def used(self) -> int:
+        """Elements of the buffer taken so far."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def is_empty(self) -> bool:
+        return not self._entries
+
+    def padded_numel(self, numel: int) -> int:
+        return shard_numel_for(numel, self.world) * self.world
+
+    def would_overflow(self, numel: int) -> bool:
+        """True if a gradient of ``numel`` elements does not fit in what is left."""
+        return self._used + self.padded_numel(numel) > self.capacity
+
+    def add(self, key: int, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into the next slice; raises if it would overflow."""
+        if self._in_flight is not None:
+            raise RuntimeError("bucket is being reduced; wait on its flush before adding gradients")
+        if grad.dtype != self.buffer.dtype:
+            raise TypeError(f"gradient dtype {grad.dtype} differs from the bucket's {self.buffer.dtype}")
+        if grad.device != self.buffer.device:
+            raise ValueError(f"gradient is on {grad.device} but the bucket is on {self.buffer.device}")
+        numel = grad.numel()
+        if self.would_overflow(numel):
+            raise ValueError(
+                f"gradient of {numel} elements (padded {self.padded_numel(numel)}) overflows the bucket: "
+                f"{self.capacity - self._used} of {self.capacity} elements left; flush first"
+            )
+        shard = shard_numel_for(numel, self.world)
+        flat = grad.reshape(-1)
+        if self.mode is ReduceMode.ALL_REDUCE:
+            offset = self._used
+            self.buffer[offset : offset + numel].copy_(flat)
+            self.buffer[offset + numel : offset + shard * self.world].zero_()
+            self._entries.append((key, offset, shard))
+        else:
+            column = self._used // self.world
+            block = self.buffer.view(self.world, -1)[:, column : column + shard]
+            padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
+            block.copy_(padded.view(self.world, shard))
+            self._entries.append((key, column, shard))
+        self._used += shard * self.world
+
+    def flush(
+        self,
+        group: ProcessGroup,
+        *,
+        scale: float = 1.0,
+        async_op: bool = False,
+        log: CollectiveLog | None = None,
+    ) -> BucketFlush:
+        """Reduce (sum, then ``scale``) everything added so far; this rank's
+        partitions come back from ``wait()``. The bucket is empty afterwards."""
+        if self._in_flight is not None:
+            raise RuntimeError("bucket is already being reduced; wait on the previous flush")
+        if not self._entries:
+            raise ValueError("flush of an empty bucket")
+        used, entries = self._used, self._entries
+        parts: list[tuple[int, torch.Tensor]]
+        if self.mode is ReduceMode.ALL_REDUCE:
+            region = self.buffer[:used]
+            pending = all_reduce(region, group, scale=scale, async_op=async_op, log=log)
+            parts = [
+                (key, self.buffer[off + self.rank * shard : off + (self.rank + 1) * shard])
+                for key, off, shard in entries
+            ]
+        else:
+            assert self._out is not None
+            columns = used // self.world
+            rows = self.buffer.view(self.world, -1)
+            # a partly filled bucket's rows are not adjacent; compact them first
+            source = self.buffer[:used] if columns == rows.shape[1] else rows[:, :columns].contiguous().view(-1)
+            out = self._out[:columns]
+            pending = reduce_scatter(out, source, group, scale=scale, async_op=async_op, log=log)
+            parts = [(key, out[col : col + shard]) for key, col, shard in entries]
+        self._entries, self._used = [], 0
+        flush = BucketFlush(self, pending, parts)
+        self._in_flight = flush
+        return flush

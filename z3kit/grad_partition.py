@@ -1,0 +1,84 @@
+"""GradPartitionBuffer: this rank's flat gradient partitions for a set of
+parameters, accumulated over micro-steps.
+
+One contiguous buffer holds every parameter's partition back to back; each
+parameter gets a view. A parameter's first contribution in an accumulation
+window is copied in (``copy_``), later ones are added (``add_``): for a
+parameter that gets a gradient on every micro-step this is copy on
+micro-step 0 and add after it, and a parameter that got none on micro-step
+0 does not inherit stale values from the previous window. Accumulation
+runs in ``dtype`` (fp32 by default) whatever the gradients' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class GradPartitionBuffer:
+    """Flat per-rank gradient partitions, one view per parameter."""
+
+    def __init__(
+        self,
+        partition_numels: Sequence[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if any((not isinstance(n, int)) or n < 1 for n in partition_numels):
+            raise ValueError(f"partition sizes must be positive ints, got {list(partition_numels)}")
+        if not dtype.is_floating_point:
+            raise TypeError(f"accumulation dtype must be floating point, got {dtype}")
+        self.buffer = torch.zeros(sum(partition_numels), dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = list(self.buffer.split(list(partition_numels))) if partition_numels else []
+        self._has_grad = [False] * len(self.views)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def accumulate(self, index: int, partition: torch.Tensor) -> None:
+        """Copy (first contribution in the window) or add ``partition`` into view ``index``."""
+        if not 0 <= index < len(self.views):
+            raise ValueError(f"partition index {index} out of range [0, {len(self.views)})")
+        view = self.views[index]
+        if partition.numel() != view.numel():
+            raise ValueError(f"partition {index} has {view.numel()} elements, got {partition.numel()}")
+        if partition.device != view.device:
+            raise ValueError(f"partition is on {partition.device} but the buffer is on {view.device}")
+        if self._has_grad[index]:
+            view.add_(partition.reshape(-1))
+        else:
+            view.copy_(partition.reshape(-1))
+            self._has_grad[index] = True
+
+    def has_grad(self, index: int) -> bool:
+        return self._has_grad[index]
+
+    def optimizer_grads(self) -> list[torch.Tensor | None]:
+        """The view of each parameter that received a gradient this window, else None
+        (an optimizer then skips it, as it skips a parameter whose grad is None)."""
+        return [v if h else None for v, h in zip(self.views, self._has_grad)]
+
+    def squared_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's accumulated partitions (fp32 or wider)."""
+        if all(self._has_grad):
+            return self.buffer.float().pow(2).sum()
+        total = self.buffer.new_zeros((), dtype=torch.float32)
+        for view, has in zip(self.views, self._has_grad):
+            if has:  # views without a gradient this window hold stale values
+                total += view.float().pow(2).sum()
+        return total
+
+    def scale_(self, factor: float) -> None:
+        """Multiply every partition by ``factor`` (gradient clipping)."""
+        self.buffer.mul_(factor)
+
+    def new_window(self) -> None:
+        """Start a new accumulation window (after an optimizer step)."""
+        self._has_grad = [False] * len(self.views)

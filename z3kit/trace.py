@@ -1,0 +1,161 @@
+"""TraceRecorder: the order in which modules fetch their parameters.
+
+ZeRO-3 prefetch needs to know which parameters come next. The first step
+records the order of module fetches (pre-forward and pre-backward, in the
+order they happen); on completion the trace is frozen and every later step
+is checked against it, fetch by fetch. A fetch that differs from the trace,
+or a step of another length, invalidates it: the next step records afresh,
+so a graph that branches differently costs one step without prefetch rather
+than a wrong prefetch.
+
+Pure bookkeeping over integer ids and element counts: no tensors, no
+process group, no modules.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+
+class TraceState(enum.Enum):
+    """What the recorder holds."""
+
+    #: No usable trace; the next ``begin_step`` starts recording.
+    INVALID = "invalid"
+    #: Recording the current step's fetches.
+    RECORD = "record"
+    #: Frozen trace; each fetch is validated against it.
+    COMPLETE = "complete"
+
+
+@attrs.frozen
+class TraceStep:
+    """One fetch: a module and the parameters it needs (ids and sizes)."""
+
+    module_id: int
+    param_ids: tuple[int, ...]
+    numels: tuple[int, ...]
+
+
+class TraceRecorder:
+    """INVALID -> RECORD -> COMPLETE state machine over module fetches."""
+
+    def __init__(self) -> None:
+        self.state = TraceState.INVALID
+        self.invalidations = 0
+        self._steps: list[TraceStep] = []
+        self._cursor = 0
+        self._in_step = False
+        # derived on completion
+        self._uses: dict[int, list[int]] = {}
+        self._cum_numel: list[int] = [0]
+
+    # -- lifecycle ---------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start of a training step (forward and backward)."""
+        if self._in_step:
+            return
+        self._in_step = True
+        self._cursor = 0
+        if self.state is TraceState.INVALID:
+            self.state = TraceState.RECORD
+            self._steps = []
+
+    def end_step(self) -> None:
+        """End of a step: freeze a recording, or check a complete trace's length."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        if self.state is TraceState.RECORD:
+            if self._steps:
+                self._freeze()
+            else:
+                self.state = TraceState.INVALID
+        elif self.state is TraceState.COMPLETE and self._cursor != len(self._steps):
+            self.invalidate()
+
+    def invalidate(self) -> None:
+        """Drop the trace; the next step records a new one."""
+        if self.state is TraceState.COMPLETE:
+            self.invalidations += 1
+        self.state = TraceState.INVALID
+        self._steps = []
+        self._uses = {}
+        self._cum_numel = [0]
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    # -- per fetch ---------------------------------------------------------
+    def on_fetch(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
+        """Note a module fetch; returns True when it matches a complete trace
+        (so prefetch may follow it). Records it while recording."""
+        if len(param_ids) != len(numels):
+            raise ValueError(f"{len(param_ids)} parameter ids but {len(numels)} sizes")
+        if not self._in_step:
+            return False
+        step = self._cursor
+        self._cursor += 1
+        if self.state is TraceState.RECORD:
+            self._steps.append(TraceStep(module_id, tuple(param_ids), tuple(numels)))
+            return False
+        if self.state is TraceState.COMPLETE:
+            expected = self._steps[step] if step < len(self._steps) else None
+            if expected is None or expected.module_id != module_id or expected.param_ids != tuple(param_ids):
+                self.invalidate()
+                return False
+            return True
+        return False
+
+    @property
+    def step(self) -> int:
+        """Index of the next fetch within the current step."""
+        return self._cursor
+
+    # -- derived views of a complete trace -----------------------------------
+    @property
+    def steps(self) -> tuple[TraceStep, ...]:
+        return tuple(self._steps)
+
+    def _freeze(self) -> None:
+        self.state = TraceState.COMPLETE
+        self._uses = {}
+        cum = [0]
+        for i, st in enumerate(self._steps):
+            for pid in st.param_ids:
+                self._uses.setdefault(pid, []).append(i)
+            cum.append(cum[-1] + sum(st.numels))
+        self._cum_numel = cum
+
+    def param_order(self) -> list[int]:
+        """Parameter ids in order of first use in the trace."""
+        seen: dict[int, None] = {}
+        for st in self._steps:
+            for pid in st.param_ids:
+                seen.setdefault(pid, None)
+        return list(seen)
+
+    def last_use(self) -> dict[int, int]:
+        """Each parameter's last fetch index in the trace."""
+        return {pid: uses[-1] for pid, uses in self._uses.items()}
+
+    def next_use(self, param_id: int, after: int) -> int | None:
+        """First fetch index > ``after`` that uses ``param_id``, or None."""
+        uses = self._uses.get(param_id)
+        if not uses:
+            return None
+        i = bisect.bisect_right(uses, after)
+        return uses[i] if i < len(uses) else None
+
+    def reuse_distance(self, param_id: int, at: int) -> int | None:
+        """Elements fetched by the steps strictly between ``at`` and the next use
+        of ``param_id``; None when it is not used again in this step."""
+        nxt = self.next_use(param_id, at)
+        if nxt is None:
+            return None
+        return self._cum_numel[nxt] - self._cum_numel[at + 1]

@@ -1,0 +1,1 @@
+"""Runtimes composed from z3kit primitives."""
