@@ -1,1 +1,1 @@
-"""Runtimes composed from z3kit primitives."""
+"""Runtimes composed from z3kit primitives; ``zero3`` is the stock one."""

@@ -1,0 +1,268 @@
+"""Module hooks: the four points of a module's parameter lifecycle.
+
+``ModuleHooks`` calls user-supplied actions at a module's pre-forward,
+post-forward, pre-backward and post-backward. Forward points are torch's
+module forward hooks. Backward points come from two
+``torch.autograd.Function`` wrappers placed around each call:
+
+* outputs pass through ``_PreBackward``: its backward runs when the
+  gradients of the call's outputs arrive, i.e. before the module's own
+  backward ops, and fires *pre-backward* (once per call);
+* inputs pass through ``_PostBackward``: its backward runs once the
+  gradients of all of the call's inputs are computed, i.e. after the
+  module's backward ops, and marks the call done.
+
+Note: reference counting.
+    A module called k times in one forward has k calls in flight in
+    backward: pre-backward fires k times (each call's output gradients
+    arrive separately). A call counts as open from its pre-backward until
+    its input gradients are done; post-backward fires when a module has no
+    open call left, so calls whose backwards interleave do not release
+    parameters another call still needs. A call whose pre-backward never
+    fires (its outputs got no gradient, or it was a recomputation whose
+    graph was discarded by non-reentrant checkpointing) is never counted.
+
+Note: modules whose inputs need no gradient.
+    Their ``_PostBackward`` node never runs (nothing flows to it), so the
+    module would stay open. ``finish_backward()``, called from the
+    end-of-backward callback, fires post-backward for every module still
+    open, so everything is released by the end of backward at the latest.
+
+Note: why the wrappers return detached tensors.
+    A custom Function that returns an input as-is turns it into a view,
+    and autograd forbids in-place ops on such views (``nn.ReLU(inplace=True)``
+    after a hooked ``Linear`` would fail). A detached alias is an ordinary
+    output: in-place ops work, and version counters are shared, so a bad
+    in-place op is still caught by autograd.
+
+Outputs and inputs may be tensors or any nesting of tuples, lists, dicts,
+dataclasses and namedtuples; only tensors that require grad are wrapped,
+and ``nn.Parameter`` objects are passed through untouched so that a
+consumer sees the parameter itself. State lives in this object's side
+tables, never on the modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass in this thread
+    (forwards seen then are activation-checkpoint recomputations)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists, dicts, dataclasses and namedtuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to every tensor, containers preserved."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, item) for item in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, item) for item in obj)
+    if isinstance(obj, dict):
+        # copy, then assign: keeps dict subclasses (e.g. Hugging Face ModelOutput) intact
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = map_tensors(fn, value)
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(out, field.name, map_tensors(fn, getattr(obj, field.name)))
+        return out
+    return obj
+
+
+def _needs_wrap(t: torch.Tensor) -> bool:
+    return t.requires_grad and not isinstance(t, nn.Parameter)
+
+
+@attrs.frozen
+class HookActions:
+    """What to do at each point. ``post_forward`` also receives the outputs
+    (a runtime keeps parameters that a module returns gathered)."""
+
+    pre_forward: Callable[[nn.Module], None]
+    post_forward: Callable[[nn.Module, Any], None]
+    pre_backward: Callable[[nn.Module], None]
+    post_backward: Callable[[nn.Module], None]
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One forward call of a hooked module, as seen by backward."""
+
+    module: nn.Module
+    actions: HookActions
+    pre_fired: bool = False
+    post_fired: bool = False
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.call = hooks, call
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks._pre_backward(ctx.call)
+        return (None, None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.call = hooks, call
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks._post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+def _wrap(fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, obj: Any) -> Any:
+    """Pass the tensors of ``obj`` that need grad through one ``fn`` node."""
+    targets = [t for t in iter_tensors(obj) if _needs_wrap(t)]
+    if not targets:
+        return obj, False
+    wrapped = fn.apply(hooks, call, *targets)
+    by_id = {id(t): w for t, w in zip(targets, wrapped)}
+    return map_tensors(lambda t: by_id.get(id(t), t), obj), True
+
+
+class ModuleHooks:
+    """Fires lifecycle actions for the modules attached to it.
+
+    ``attach(module, actions)`` hooks one module (``actions`` defaults to
+    the ones given at construction). ``active`` is the stack of modules
+    whose forward is running, innermost last. ``finish_backward()`` must be
+    called at the end of each backward (see the Note on modules whose
+    inputs need no gradient).
+    """
+
+    def __init__(self, actions: HookActions) -> None:
+        self.default_actions = actions
+        self.active: list[nn.Module] = []
+        self._handles: dict[nn.Module, list[RemovableHandle]] = {}
+        self._calls: dict[nn.Module, list[_Call]] = {}
+        self._open: dict[nn.Module, tuple[int, HookActions]] = {}
+
+    def attach(self, module: nn.Module, actions: HookActions | None = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"can only hook an nn.Module, got {type(module).__name__}")
+        if module in self._handles:
+            raise ValueError(f"{type(module).__name__} is already hooked; detach it first")
+        chosen = actions or self.default_actions
+
+        def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self._pre_forward(mod, chosen, args, kwargs)
+
+        def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            return self._post_forward(mod, chosen, output)
+
+        self._handles[module] = [
+            module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post),
+        ]
+
+    def detach(self, module: nn.Module) -> None:
+        for handle in self._handles.pop(module, []):
+            handle.remove()
+        self._calls.pop(module, None)
+
+    def detach_all(self) -> None:
+        for module in list(self._handles):
+            self.detach(module)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return list(self._handles)
+
+    def open_modules(self) -> list[nn.Module]:
+        """Modules with a backward call in progress."""
+        return list(self._open)
+
+    def reset(self) -> None:
+        """Forget calls in progress (after an exception aborted a forward or backward)."""
+        self.active.clear()
+        self._calls.clear()
+        self._open.clear()
+
+    # -- forward --------------------------------------------------------------
+    def _pre_forward(
+        self, module: nn.Module, actions: HookActions, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        actions.pre_forward(module)
+        self.active.append(module)
+        call = _Call(module, actions)
+        self._calls.setdefault(module, []).append(call)
+        if not torch.is_grad_enabled():
+            return None
+        (args, kwargs), changed = _wrap(_PostBackward, self, call, (args, kwargs))
+        return (args, kwargs) if changed else None
+
+    def _post_forward(self, module: nn.Module, actions: HookActions, output: Any) -> Any:
+        calls = self._calls.get(module)
+        call = calls.pop() if calls else _Call(module, actions)
+        if self.active and self.active[-1] is module:
+            self.active.pop()
+        actions.post_forward(module, output)
+        if not torch.is_grad_enabled():
+            return None
+        wrapped, changed = _wrap(_PreBackward, self, call, output)
+        return wrapped if changed else None
+
+    # -- backward -------------------------------------------------------------
+    def _pre_backward(self, call: _Call) -> None:
+        if call.pre_fired:
+            return
+        call.pre_fired = True
+        count, _ = self._open.get(call.module, (0, call.actions))
+        self._open[call.module] = (count + 1, call.actions)
+        call.actions.pre_backward(call.module)
+
+    def _post_backward(self, call: _Call) -> None:
+        if not call.pre_fired or call.post_fired:
+            return
+        call.post_fired = True
+        count, actions = self._open[call.module]
+        if count > 1:
+            self._open[call.module] = (count - 1, actions)
+            return
+        del self._open[call.module]
+        actions.post_backward(call.module)
+
+    def finish_backward(self) -> list[nn.Module]:
+        """Fire post-backward for every module still open; returns them."""
+        still_open = list(self._open.items())
+        self._open.clear()
+        for module, (_, actions) in still_open:
+            actions.post_backward(module)
+        return [module for module, _ in still_open]

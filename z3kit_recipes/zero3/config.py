@@ -1,0 +1,184 @@
+"""Zero3Config: the stock runtime's knobs, with DeepSpeed's names and defaults.
+
+``Zero3Config.from_deepspeed`` reads a DeepSpeed configuration (a dict or
+a JSON file) so that a DeepSpeed user brings their config unchanged; keys
+that z3kit does not implement are refused by name rather than silently
+ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+
+def _int_at_least(low: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"Zero3Config.{attribute.name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"Zero3Config.{attribute.name} must be >= {low}, got {value}")
+
+    return check
+
+
+def _bool(_: object, attribute: attrs.Attribute[bool], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Zero3Config.{attribute.name} must be a bool, got {type(value).__name__}")
+
+
+def _clipping(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Zero3Config.gradient_clipping must be a number, got {type(value).__name__}")
+    if not value >= 0.0 or value == float("inf"):
+        raise ValueError(f"Zero3Config.gradient_clipping must be a finite number >= 0 (0 disables), got {value}")
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _dtype_name(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dtype in _DTYPES.items():
+            if dtype == value:
+                return name
+    if isinstance(value, str) and value in _DTYPES:
+        return value
+    raise ValueError(f"Zero3Config.compute_dtype must be one of {sorted(_DTYPES)} (or the torch dtype), got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Zero3Config:
+    """Configuration of the stock ZeRO-3 runtime. Sizes count elements.
+
+    The first nine fields carry DeepSpeed's meaning and default:
+    ``prefetch_bucket_size`` caps one prefetch; ``max_live_parameters``
+    caps gathered elements (a running module's own fetch is never refused);
+    ``max_reuse_distance`` keeps a parameter gathered at module exit when
+    the trace says it is used again within that many elements;
+    parameters under ``param_persistence_threshold`` elements are gathered
+    once and kept; ``reduce_bucket_size`` is the gradient bucket;
+    ``overlap_comm`` runs gathers and reductions asynchronously;
+    ``contiguous_gradients`` reduces through the flat bucket (False reduces
+    each gradient by its own collective); ``gradient_accumulation_steps``
+    micro-steps make one optimizer step; ``gradient_clipping`` is the
+    global-norm limit (0 disables).
+    """
+
+    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=_int_at_least(0))
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
+    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
+    param_persistence_threshold: int = attrs.field(default=100_000, validator=_int_at_least(0))
+    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=_int_at_least(1))
+    overlap_comm: bool = attrs.field(default=True, validator=_bool)
+    contiguous_gradients: bool = attrs.field(default=True, validator=_bool)
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=_int_at_least(1))
+    gradient_clipping: float = attrs.field(default=0.0, validator=_clipping)
+    #: "fp32", or "bf16" (bf16 parameters, gathers and reductions; fp32 master shards and gradient partitions)
+    compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
+    #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
+    reduce_scatter: bool | None = attrs.field(default=None)
+    #: gathers in flight at once (demand fetches included)
+    max_inflight_gathers: int = attrs.field(default=2, validator=_int_at_least(1))
+
+    @reduce_scatter.validator
+    def _check_reduce_scatter(self, attribute: attrs.Attribute[bool | None], value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"Zero3Config.reduce_scatter must be a bool or None, got {type(value).__name__}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @classmethod
+    def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> Zero3Config:
+        """Read a DeepSpeed config dict, or the path of its JSON file.
+
+        Reads ``zero_optimization`` (``stage`` must be 3; ``stage3_*`` knobs,
+        ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``,
+        ``reduce_scatter``), ``bf16``, ``gradient_accumulation_steps`` and
+        ``gradient_clipping``. Batch sizes are accepted and ignored (they
+        belong to the data loader). ``"auto"`` means the default. Anything
+        else is refused with its name.
+        """
+        if isinstance(config, (str, os.PathLike)):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, Mapping):
+            raise TypeError(f"a DeepSpeed config is a dict or a JSON file path, got {type(config).__name__}")
+        kwargs: dict[str, Any] = {}
+        unsupported: list[str] = []
+
+        def take(name: str, value: Any) -> None:
+            if value == "auto":
+                return
+            # JSON configs often write sizes as 5e8, which json reads as a float
+            if isinstance(value, float) and value.is_integer() and name in _INT_FIELDS:
+                value = int(value)
+            kwargs[name] = value
+
+        for key, value in config.items():
+            if key in _TOP_LEVEL:
+                take(_TOP_LEVEL[key], value)
+            elif key in _IGNORED_TOP_LEVEL:
+                continue
+            elif key == "bf16":
+                if _enabled(value, "bf16"):
+                    kwargs["compute_dtype"] = "bf16"
+            elif key in ("fp16", "amp") and isinstance(value, Mapping) and not value.get("enabled", False):
+                continue  # present but off: harmless
+            elif key == "zero_optimization":
+                if not isinstance(value, Mapping):
+                    raise TypeError(f"zero_optimization must be a dict, got {type(value).__name__}")
+                stage = value.get("stage", 0)
+                if stage != 3:
+                    raise ValueError(f"z3kit implements ZeRO stage 3; zero_optimization.stage is {stage!r}")
+                for zkey, zvalue in value.items():
+                    if zkey == "stage":
+                        continue
+                    if zkey in _ZERO_KEYS:
+                        take(_ZERO_KEYS[zkey], zvalue)
+                    else:
+                        unsupported.append(f"zero_optimization.{zkey}")
+            else:
+                unsupported.append(key)
+        if unsupported:
+            supported = sorted([*_TOP_LEVEL, *_IGNORED_TOP_LEVEL, "bf16"]) + sorted(
+                f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS)
+            )
+            raise ValueError(
+                f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. "
+                f"Remove them (the optimizer comes from initialize's factory); supported: {', '.join(supported)}"
+            )
+        return cls(**kwargs)
+
+
+def _enabled(section: Any, name: str) -> bool:
+    if not isinstance(section, Mapping):
+        raise TypeError(f"{name} must be a dict like {{'enabled': true}}, got {type(section).__name__}")
+    return bool(section.get("enabled", False))
+
+
+_TOP_LEVEL = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+}
+_INT_FIELDS = frozenset(
+    f.name for f in attrs.fields(Zero3Config) if f.type in ("int", int)
+)
+_IGNORED_TOP_LEVEL = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
+_ZERO_KEYS = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_scatter": "reduce_scatter",
+}

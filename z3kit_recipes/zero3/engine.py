@@ -1,0 +1,620 @@
+"""Zero3Engine: the stock ZeRO-3 runtime, wired from z3kit primitives.
+
+Data flow (see ../shared/DESIGN.md):
+
+    initialize: full parameter -> ParamShard (1/N, compute dtype)
+                                -> fp32 master shard (the optimizer's parameter)
+    forward:    pre-forward fetch (gather, trace, prefetch) -> compute
+                -> post-forward release (ReleasePolicy)
+    backward:   pre-backward fetch -> compute -> grad-ready hook
+                -> GradReducer (FlatBucket -> reduce -> GradPartitionBuffer)
+                -> post-backward release; end-of-backward epilogue
+    step:       (clip) -> optimizer on master shards -> write back to shards
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from z3kit.collectives import CollectiveLog, ProcessGroup, broadcast
+from z3kit.flat_bucket import ReduceMode
+from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
+from z3kit.leaf import LeafModuleHook, ParamGrads
+from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import ReleasePolicy, StockReleasePolicy
+from z3kit.shard import ParamShard, ParamStatus, partition_of
+from z3kit.streams import StreamPairLike, stream_pair_for
+from z3kit.trace import TraceRecorder
+from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.grads import GradReducer
+from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+LeafSpec = type[nn.Module] | nn.Module
+
+#: device type served by each process-group backend
+_DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
+
+
+@attrs.frozen
+class Zero3Stats:
+    """Figures of the last step, as data (``engine.stats()``).
+
+    ``collectives`` counts calls and bytes per kind since the previous
+    ``step()`` boundary; memory figures count elements on this rank.
+    """
+
+    global_step: int
+    micro_step: int
+    model_numel: int
+    #: elements of parameter shards, fp32 master shards (when separate) and gradient partitions held by this rank
+    resident_param_numel: int
+    resident_master_numel: int
+    resident_grad_numel: int
+    #: elements of full parameters gathered right now (persistent ones included)
+    live_numel: int
+    #: high-water of gathered elements since the last optimizer step, against the limit
+    peak_live_numel: int
+    max_live_parameters: int
+    largest_fetch_numel: int
+    collectives: dict[str, dict[str, int]]
+    trace_state: str
+    trace_invalidations: int
+    last_grad_norm: float | None
+
+
+class Zero3Engine:
+    """A model trained with ZeRO-3 sharding. Build it with ``initialize``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        config: Zero3Config,
+        group: ProcessGroup,
+        device: torch.device,
+        leaf_modules: list[nn.Module],
+        trace: TraceRecorder,
+        release_policy: ReleasePolicy,
+        limiter: PrefetchLimiter,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.log = CollectiveLog()
+        self.streams: StreamPairLike = stream_pair_for(device)
+        dtype = config.torch_dtype
+
+        names, params = _unique_params(module)
+        self.param_names = names
+        index = {id(p): pid for pid, p in enumerate(params)}
+        leaf_roots = set(leaf_modules)
+
+        # 1. every rank starts from rank 0's values, as DDP does; nothing is mutated yet
+        full_values = self._broadcast_full(params)
+        shards = [
+            ParamShard(p, p.shape, p.numel(), self.rank, self.world, partition_of(full.to(dtype), self.rank, self.world))
+            for p, full in zip(params, full_values)
+        ]
+        trainable = [pid for pid, p in enumerate(params) if p.requires_grad]
+        if dtype == torch.float32:
+            # the fp32 shard is the master: the optimizer updates it in place
+            masters = [nn.Parameter(shards[pid].shard) for pid in trainable]
+        else:
+            masters = [
+                nn.Parameter(partition_of(full_values[pid].float(), self.rank, self.world)) for pid in trainable
+            ]
+        self.masters_are_shards = dtype == torch.float32
+        del full_values
+        optimizer = optimizer_factory(masters)
+        _check_optimizer(optimizer, masters)
+
+        # 2. the model changes only once nothing can fail any more
+        self.shards = shards
+        self.masters = masters
+        self.trainable = trainable
+        self.optimizer = optimizer
+        for s in shards:
+            s.release()
+        for buf_name, buf in list(module.named_buffers()):
+            converted = buf.to(device, dtype) if buf.is_floating_point() else buf.to(device)
+            if converted is not buf:
+                _set_buffer(module, buf_name, converted)
+
+        hooked: dict[nn.Module, list[int]] = {}
+        inside_leaf = {m for leaf in leaf_roots for m in leaf.modules() if m is not leaf}
+        for m in module.modules():
+            if m in inside_leaf:
+                continue
+            if m in leaf_roots:
+                pids = [index[id(p)] for p in m.parameters()]
+            else:
+                pids = list(dict.fromkeys(index[id(p)] for p in m.parameters(recurse=False)))
+            if pids or m is module:
+                hooked[m] = pids
+
+        self.trace, self.policy, self.limiter = trace, release_policy, limiter
+        self.coordinator = ParamCoordinator(
+            shards,
+            hooked,
+            group=group,
+            streams=self.streams,
+            trace=trace,
+            policy=release_policy,
+            limiter=limiter,
+            log=self.log,
+            overlap=config.overlap_comm,
+        )
+        bucket_dtype = dtype
+        reduce_scatter = config.reduce_scatter
+        if reduce_scatter is None:
+            reduce_scatter = dist.get_backend(group) != "gloo"
+        self.reducer = GradReducer(
+            shards,
+            trainable,
+            group=group,
+            streams=self.streams,
+            log=self.log,
+            bucket_size=config.reduce_bucket_size,
+            bucket_dtype=bucket_dtype,
+            mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
+            overlap=config.overlap_comm,
+            contiguous=config.contiguous_gradients,
+            scale=1.0 / (self.world * config.gradient_accumulation_steps),
+        ) if trainable else None
+
+        actions = HookActions(
+            pre_forward=self.coordinator.fetch,
+            post_forward=self._post_forward,
+            pre_backward=self._pre_backward,
+            post_backward=self.coordinator.release,
+        )
+        self.hooks = ModuleHooks(actions)
+        leaf_params: set[int] = set()
+        self.leaf_units: list[LeafModuleHook] = []
+        for m in hooked:
+            if m in leaf_roots:
+                unit = LeafModuleHook(m, actions, self._reduce_leaf)
+                self.leaf_units.append(unit)
+                leaf_params.update(index[id(p)] for p in unit.params)
+                self.hooks.attach(m, unit.actions)
+            else:
+                self.hooks.attach(m)
+        self._grad_handles = [
+            shards[pid].param.register_post_accumulate_grad_hook(self._make_grad_hook(pid))
+            for pid in trainable
+            if pid not in leaf_params
+        ]
+        self.leaf_param_ids = frozenset(leaf_params)
+        self._use_mode = ParamUseMode(self.coordinator, self.hooks)
+        self._param_ids = tuple(id(p) for p in params)
+
+        self.micro_step = 0  # backwards completed since initialize
+        self.global_step = 0  # optimizer steps taken
+        self._backward_since_step = False
+        self._epilogue_queued = False
+        self._in_backward_pass = False
+        self._last_grad_norm: float | None = None
+        self._log_at_step = self.log.snapshot()
+        self._last_step_collectives = _diff(self.log.snapshot(), self._log_at_step)
+
+    # -- construction helpers -----------------------------------------------------------
+    def _broadcast_full(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """Rank 0's value of every parameter, flat, on this engine's device (one
+        broadcast per dtype), without touching the parameters themselves."""
+        out: list[torch.Tensor | None] = [None] * len(params)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for pid, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(pid)
+        for dtype, pids in by_dtype.items():
+            flat = torch.cat([params[pid].detach().reshape(-1).to(self.device) for pid in pids])
+            if self.world > 1:
+                broadcast(flat, 0, self.group, log=self.log)
+            for pid, piece in zip(pids, flat.split([params[p].numel() for p in pids])):
+                out[pid] = piece
+        return [t for t in out if t is not None]
+
+    def _make_grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
+        def on_grad_ready(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None or self.reducer is None:
+                return
+            self._queue_epilogue()
+            self.reducer.add(pid, grad)
+            param.grad = None
+
+        return on_grad_ready
+
+    # -- forward ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_parameters_unchanged()
+        dtype = self.config.torch_dtype
+        if dtype != torch.float32:
+            args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+        training = torch.is_grad_enabled()
+        was_tracing = self.coordinator.tracing
+        self.coordinator.tracing = training
+        if training:
+            self.coordinator.start_step()
+        try:
+            with self._use_mode:
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            if not training:
+                self.coordinator.tracing = was_tracing
+        if not training:
+            self.coordinator.release_all()
+        return out
+
+    def _post_forward(self, module: nn.Module, output: Any) -> None:
+        if in_backward():
+            return  # a checkpoint recomputation: backward uses these now; post-backward releases
+        self.coordinator.release(module, keep=self.coordinator.params_in(output))
+
+    # -- backward ---------------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module) -> None:
+        self._queue_epilogue()
+        self.coordinator.fetch(module)
+
+    def _queue_epilogue(self) -> None:
+        """Queue the end-of-backward callback once per backward, from inside
+        it (the first hook to fire is the root's, in the outermost backward)."""
+        if self._epilogue_queued or not in_backward():
+            return
+        self._epilogue_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _reduce_leaf(self, grads: ParamGrads) -> None:
+        if self.reducer is None:
+            return
+        self._queue_epilogue()
+        for param, grad in grads:
+            pid = self.coordinator.index[id(param)]
+            self.reducer.add(pid, grad)
+            param.grad = None
+
+    def _end_of_backward(self) -> None:
+        self._epilogue_queued = False
+        try:
+            self.hooks.finish_backward()
+            if self.reducer is not None:
+                self.reducer.finish()
+            late = [self.param_names[p] for p in self.leaf_param_ids if self.shards[p].param.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"gradients of leaf-unit parameters {late[:5]} arrived after their unit was reduced; "
+                    "a parameter of a leaf module is being used outside it"
+                )
+        finally:
+            self.coordinator.release_all()
+            self.coordinator.end_step()
+            self.coordinator.tracing = False
+            self.hooks.reset()
+        self.micro_step += 1
+        self._backward_since_step = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``; gradients are averaged over ranks and over the
+        ``gradient_accumulation_steps`` micro-steps (no loss scaling needed)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward needs the loss tensor, got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        before = self.micro_step
+        loss.backward()
+        if self.micro_step == before:  # nothing in backward reached a hook of ours
+            self._end_of_backward()
+
+    # -- optimizer step --------------------------------------------------------------------------
+    def is_accumulation_boundary(self) -> bool:
+        return self.micro_step % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> bool:
+        """Optimizer step at a gradient-accumulation boundary (returns True),
+        otherwise nothing (False). Grads are cleared after the step."""
+        if not self._backward_since_step:
+            raise RuntimeError(
+                "step() called without a backward since the last step(): run engine.backward(loss) "
+                "(or loss.backward()) first"
+            )
+        self._backward_since_step = False
+        if not self.is_accumulation_boundary():
+            return False
+        if self.reducer is not None:
+            partitions = self.reducer.partitions
+            if self.config.gradient_clipping > 0:
+                self._last_grad_norm = float(self.reducer.clip_(self.config.gradient_clipping))
+            for master, grad in zip(self.masters, partitions.optimizer_grads()):
+                master.grad = grad
+            self.optimizer.step()
+            for master in self.masters:
+                master.grad = None
+            if not self.masters_are_shards:
+                for pid, master in zip(self.trainable, self.masters):
+                    self.shards[pid].shard.copy_(master.detach())
+            partitions.new_window()
+        self.coordinator.refresh_persistent()
+        self.global_step += 1
+        now = self.log.snapshot()
+        self._last_step_collectives = _diff(now, self._log_at_step)
+        self._log_at_step = now
+        self.limiter.reset_high_water()
+        return True
+
+    def zero_grad(self) -> None:
+        """Discard the gradients accumulated since the last optimizer step."""
+        if self.reducer is not None:
+            self.reducer.partitions.new_window()
+
+    # -- full parameters on demand ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, modifier_rank: int | None = None
+    ) -> Iterator[list[nn.Parameter]]:
+        """Full parameters of ``module`` (default: the whole model) inside the block.
+
+        With ``modifier_rank``, changes that rank makes to them are
+        broadcast on exit and written into every rank's shards (and fp32
+        masters); without it, changes are discarded.
+        """
+        target = self.module if module is None else module
+        if not any(target is m for m in self.module.modules()):
+            raise ValueError("gathered_parameters needs a submodule of the engine's model")
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world:
+            raise ValueError(f"modifier_rank must be in [0, {self.world}), got {modifier_rank}")
+        if self.hooks.active or self._epilogue_queued:
+            raise RuntimeError("gathered_parameters cannot be used inside a forward or backward")
+        pids = list(dict.fromkeys(self.coordinator.index[id(p)] for p in target.parameters()))
+        self.coordinator.ensure_gathered(pids)
+        try:
+            yield [self.shards[p].param for p in pids]
+            if modifier_rank is not None:
+                self._adopt_full_values(pids, modifier_rank)
+        finally:
+            self.coordinator.release_all()
+
+    def _adopt_full_values(self, pids: list[int], src: int) -> None:
+        params = [self.shards[p].param for p in pids]
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        broadcast(flat, src, self.group, log=self.log)
+        master_of = dict(zip(self.trainable, self.masters))
+        for pid, full in zip(pids, flat.split([p.numel() for p in params])):
+            shard = self.shards[pid]
+            shard.load_full(full)
+            master = master_of.get(pid)
+            if master is not None and not self.masters_are_shards:
+                master.data.copy_(partition_of(full.float(), self.rank, self.world))
+        for pid in pids:
+            if self.coordinator.persistent[pid]:
+                self.coordinator._free(pid)
+
+    # -- observability ---------------------------------------------------------------------------
+    def stats(self) -> Zero3Stats:
+        model_numel = sum(s.numel for s in self.shards)
+        fetch_sizes = [sum(self.coordinator.numels[p] for p in pids) for pids in self.coordinator.module_params.values()]
+        return Zero3Stats(
+            global_step=self.global_step,
+            micro_step=self.micro_step,
+            model_numel=model_numel,
+            resident_param_numel=_storage_numel(s.shard for s in self.shards),
+            resident_master_numel=0 if self.masters_are_shards else _storage_numel(self.masters),
+            resident_grad_numel=0 if self.reducer is None else _storage_numel([self.reducer.partitions.buffer]),
+            live_numel=self.limiter.live_numel,
+            peak_live_numel=self.limiter.high_water,
+            max_live_parameters=self.config.max_live_parameters,
+            largest_fetch_numel=max(fetch_sizes, default=0),
+            collectives=self._last_step_collectives,
+            trace_state=self.trace.state.value,
+            trace_invalidations=self.trace.invalidations,
+            last_grad_norm=self._last_grad_norm,
+        )
+
+    def gathered_numel(self) -> int:
+        """Elements of full parameter storage held right now (measured on the tensors)."""
+        return sum(s.param.data.numel() for s in self.shards)
+
+    # -- conveniences -------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Zero3Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Zero3Engine:
+        return self.train(False)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameter values by name (every rank gets them), on CPU."""
+        with self.gathered_parameters() as params:
+            return {name: p.detach().to("cpu", copy=True) for name, p in zip(self.param_names, params)}
+
+    # -- errors ---------------------------------------------------------------------------------------
+    def _abort(self) -> None:
+        """A forward raised: forget what was in progress, free what was gathered."""
+        self.hooks.reset()
+        self.coordinator.release_all()
+        self.coordinator.tracing = False
+        self.trace.invalidate()
+
+    def _check_parameters_unchanged(self) -> None:
+        current = [(name, p) for name, p in self.module.named_parameters()]
+        if len(current) != len(self._param_ids) or any(id(p) != i for (_, p), i in zip(current, self._param_ids)):
+            known = set(self._param_ids)
+            added = [name for name, p in current if id(p) not in known]
+            raise RuntimeError(
+                f"parameters changed after zero3.initialize (new: {added or 'none'}, "
+                f"count {len(self._param_ids)} -> {len(current)}); ZeRO-3 shards parameters at initialize: "
+                "add them before initialize, or remove them to keep training with this engine"
+            )
+
+
+def _unique_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    names, params = [], []
+    for name, p in module.named_parameters():
+        names.append(name)
+        params.append(p)
+    return names, params
+
+
+def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._buffers[attr] = value
+
+
+def _storage_numel(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
+    return sum(seen.values())
+
+
+def _diff(now: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {k: {f: now[k][f] - before[k][f] for f in now[k]} for k in now}
+
+
+def _check_optimizer(optimizer: Any, masters: list[nn.Parameter]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"the optimizer factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    ours = {id(m) for m in masters}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in ours:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not one of the master shards it was given; "
+                    "build it from the factory's argument only"
+                )
+
+
+def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    device_type = _DEVICE_FOR_BACKEND.get(backend)
+    if device_type is None:
+        raise ValueError(f"process-group backend {backend!r} is not supported; use one of {sorted(_DEVICE_FOR_BACKEND)}")
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        module = torch.get_device_module(device_type)
+        device = torch.device(device_type, module.current_device())
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device; materialize the model before initialize")
+        if p.device.type not in ("cpu", device_type):
+            raise ValueError(
+                f"parameter {name!r} is on {p.device}, but the process group's backend {backend!r} "
+                f"communicates {device_type} tensors; move the model to {device_type} (or CPU) or use a "
+                f"{ {'cpu': 'gloo', 'cuda': 'nccl', 'npu': 'hccl'}.get(p.device.type, 'matching')} group"
+            )
+    return device
+
+
+def _resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Module]:
+    modules = list(model.modules())
+    chosen: list[nn.Module] = []
+    for spec in specs:
+        if isinstance(spec, type) and issubclass(spec, nn.Module):
+            found = [m for m in modules if isinstance(m, spec)]
+            if not found:
+                raise ValueError(f"leaf module class {spec.__name__} matches no module of the model")
+            chosen.extend(found)
+        elif isinstance(spec, nn.Module):
+            if not any(spec is m for m in modules):
+                raise ValueError(f"leaf module {type(spec).__name__} instance is not part of the model")
+            chosen.append(spec)
+        else:
+            raise TypeError(f"leaf_modules holds module classes or instances, got {type(spec).__name__}")
+    # a leaf inside another leaf is part of the outer unit
+    unique = list(dict.fromkeys(chosen))
+    inner = {m for leaf in unique for m in leaf.modules() if m is not leaf}
+    leaves = [m for m in unique if m not in inner]
+    for leaf in leaves:
+        if next(leaf.parameters(), None) is None:
+            raise ValueError(f"leaf module {type(leaf).__name__} has no parameters")
+    return leaves
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    config: Zero3Config | Mapping[str, Any] | None = None,
+    process_group: ProcessGroup | None = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    *,
+    trace: TraceRecorder | None = None,
+    release_policy: ReleasePolicy | None = None,
+    prefetch_limiter: PrefetchLimiter | None = None,
+) -> Zero3Engine:
+    """Shard ``model`` over ``process_group`` (default: the world group) and
+    return the engine that trains it.
+
+    ``optimizer`` is a factory that receives this rank's fp32 master shards.
+    ``config`` is a ``Zero3Config`` or a DeepSpeed config dict. ``trace``,
+    ``release_policy`` and ``prefetch_limiter`` replace the stock policies
+    (the config's knobs for them are then not used). Every argument is
+    checked before the model is touched: a failed call changes nothing.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
+            "it receives this rank's master shards"
+        )
+    if config is None:
+        config = Zero3Config()
+    elif isinstance(config, Mapping):
+        config = Zero3Config.from_deepspeed(config)
+    elif not isinstance(config, Zero3Config):
+        raise TypeError(f"config must be a Zero3Config or a DeepSpeed config dict, got {type(config).__name__}")
+    if process_group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call init_process_group first, or pass process_group")
+        process_group = dist.group.WORLD
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 trains floating-point parameters")
+    device = _resolve_device(model, process_group)
+    leaves = _resolve_leaves(model, leaf_modules)
+    if trace is None:
+        trace = TraceRecorder()
+    elif not isinstance(trace, TraceRecorder):
+        raise TypeError(f"trace must be a TraceRecorder (or a subclass), got {type(trace).__name__}")
+    if release_policy is None:
+        release_policy = StockReleasePolicy(
+            max_reuse_distance=config.max_reuse_distance,
+            param_persistence_threshold=config.param_persistence_threshold,
+            max_live_parameters=config.max_live_parameters,
+        )
+    elif not isinstance(release_policy, ReleasePolicy):
+        raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
+    if prefetch_limiter is None:
+        prefetch_limiter = PrefetchLimiter(
+            max_live_parameters=config.max_live_parameters,
+            prefetch_bucket_size=config.prefetch_bucket_size,
+            max_inflight=config.max_inflight_gathers,
+        )
+    elif not isinstance(prefetch_limiter, PrefetchLimiter):
+        raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
+    return Zero3Engine(model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter)

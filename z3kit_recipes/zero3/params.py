@@ -1,0 +1,309 @@
+"""The parameter lifecycle of the stock runtime: fetch, prefetch, release.
+
+``ParamCoordinator`` owns every parameter's shard and answers the module
+hooks: ``fetch(module)`` at pre-forward and pre-backward, ``release(module)``
+at post-forward and post-backward. It composes the primitives: shards and
+coalesced gathers (``z3kit.shard``), the trace (``TraceRecorder``), the
+release rule (``ReleasePolicy``), the prefetch budget (``PrefetchLimiter``)
+and the streams (``StreamPair``).
+
+Note: holding.
+    A module holds its parameters from fetch to release; a parameter held
+    by any module (a parent and a child that share it, a module whose
+    backward is still running) is never released. In forward a module
+    holds from pre-forward to post-forward; in backward from its first
+    pre-backward to its post-backward. Forwards seen during backward are
+    checkpoint recomputations: they fetch, but leave the release to the
+    module's post-backward, because backward is about to use what they
+    gathered.
+
+Note: parameters used outside their module.
+    A module may use a parameter it does not own (``F.linear(x,
+    self.embed.weight)`` in a parent, tied weights) or return one of its own
+    parameters for another module to use. ``ParamUseMode`` sees every torch
+    call during the engine's forward; when a managed parameter shows up in
+    a module that does not list it, the parameter is gathered if needed and
+    added to that module's list for good, so later fetches (and backward)
+    gather it with the module. The changed fetch list invalidates the trace
+    once, and the next step records the new one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from z3kit.collectives import CollectiveLog, ProcessGroup
+from z3kit.hooks import ModuleHooks, iter_tensors
+from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import ReleasePolicy
+from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
+from z3kit.streams import StreamPairLike
+from z3kit.trace import TraceRecorder, TraceState, TraceStep
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _own_ops(method: F) -> F:
+    """Mark a coordinator entry point: torch calls it makes on parameters
+    (gathers, ``param.data`` swaps) are its own, not uses by a module."""
+
+    @functools.wraps(method)
+    def wrapper(self: ParamCoordinator, *args: Any, **kwargs: Any) -> Any:
+        if self._busy:
+            return method(self, *args, **kwargs)
+        self._busy = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy = False
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ParamCoordinator:
+    """Gathers and releases the shards of one model's parameters."""
+
+    def __init__(
+        self,
+        shards: Sequence[ParamShard],
+        module_params: dict[nn.Module, list[int]],
+        *,
+        group: ProcessGroup,
+        streams: StreamPairLike,
+        trace: TraceRecorder,
+        policy: ReleasePolicy,
+        limiter: PrefetchLimiter,
+        log: CollectiveLog,
+        overlap: bool,
+    ) -> None:
+        self.shards = list(shards)
+        self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
+        self.numels = [s.numel for s in self.shards]
+        self.persistent = [policy.is_persistent(n) for n in self.numels]
+        self.module_params = module_params
+        self.module_keys = {m: key for key, m in enumerate(module_params)}
+        self.group, self.streams, self.log = group, streams, log
+        self.trace, self.policy, self.limiter = trace, policy, limiter
+        self.overlap = overlap
+        #: whether fetches are part of a traced training step
+        self.tracing = False
+        self._handles: dict[int, GatherHandle] = {}
+        self._users = [0] * len(self.shards)
+        self._holders: set[nn.Module] = set()
+        self._fetch_step: dict[nn.Module, int] = {}
+        self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
+        self._frontier = 0  # trace index up to which prefetch has looked
+        self._busy = False  # set while we run torch ops of our own (ParamUseMode ignores them)
+
+    # -- gathering --------------------------------------------------------------
+    def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
+        numel = sum(self.numels[p] for p in pids)
+        self.limiter.on_gather(numel)
+        with self.streams.on_comm():
+            handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=async_op, log=self.log)
+        if async_op:
+            for p in pids:
+                self._handles[p] = handle
+        else:
+            self.limiter.on_gather_done()
+        return handle
+
+    def _wait(self, pid: int) -> None:
+        handle = self._handles[pid]
+        handle.wait()
+        self.streams.compute_wait_comm()
+        for s in handle.shards:
+            self._handles.pop(self.index[id(s.param)], None)
+        self.limiter.on_gather_done()
+
+    @_own_ops
+    def ensure_gathered(self, pids: Iterable[int]) -> None:
+        """Make ``pids`` AVAILABLE now: gather the missing ones in one
+        collective and wait for those in flight."""
+        missing, inflight = [], []
+        for p in pids:
+            status = self.shards[p].status
+            if status is ParamStatus.NOT_AVAILABLE:
+                missing.append(p)
+            elif status is ParamStatus.INFLIGHT:
+                inflight.append(p)
+        if missing:
+            self._gather(missing, async_op=False)
+        for p in inflight:
+            if self.shards[p].status is ParamStatus.INFLIGHT:
+                self._wait(p)
+
+    # -- the module lifecycle --------------------------------------------------------
+    @_own_ops
+    def fetch(self, module: nn.Module) -> None:
+        """Pre-forward / pre-backward: the module's parameters, gathered, held."""
+        pids = self.module_params[module]
+        matches = False
+        if self.tracing:
+            matches = self.trace.on_fetch(self.module_keys[module], pids, [self.numels[p] for p in pids])
+            self._fetch_step[module] = self.trace.step - 1
+        self.ensure_gathered(pids)
+        if module not in self._holders:
+            self._holders.add(module)
+            for p in pids:
+                self._users[p] += 1
+        if matches:
+            self._prefetch()
+        else:
+            self._steps = None
+
+    @_own_ops
+    def release(self, module: nn.Module, keep: Iterable[int] = ()) -> None:
+        """Post-forward / post-backward: let go of the module's parameters;
+        the policy picks which to free (``keep``: never these, e.g. returned ones)."""
+        pids = self.module_params[module]
+        if module in self._holders:
+            self._holders.discard(module)
+            for p in pids:
+                self._users[p] -= 1
+        kept = set(keep)
+        candidates = [
+            (p, self.numels[p])
+            for p in pids
+            if self._users[p] == 0
+            and not self.persistent[p]
+            and p not in kept
+            and self.shards[p].status is ParamStatus.AVAILABLE
+        ]
+        if not candidates:
+            return
+        if self.tracing:
+            chosen = self.policy.to_release(
+                self._fetch_step.get(module, -1), candidates, self.trace, self.limiter.live_numel
+            )
+        else:  # outside a traced step (eval, no_grad) nothing is coming back soon
+            chosen = [p for p, _ in candidates]
+        for p in chosen:
+            self._free(p)
+
+    def _free(self, pid: int) -> None:
+        shard = self.shards[pid]
+        if shard.status is ParamStatus.AVAILABLE:
+            shard.release()
+            self.limiter.on_release(self.numels[pid])
+
+    def params_in(self, output: Any) -> set[int]:
+        """Managed parameters that appear in a module's output."""
+        return {self.index[id(t)] for t in iter_tensors(output) if id(t) in self.index}
+
+    # -- prefetch ------------------------------------------------------------------------
+    def _prefetch(self) -> None:
+        """Gather, in one collective, what the trace needs next, within budget."""
+        budget = self.limiter.budget()
+        if budget <= 0:
+            return
+        if self._steps is None:
+            self._steps = self.trace.steps
+            self._frontier = 0
+        steps = self._steps
+        i = max(self.trace.step, self._frontier)
+        picked: list[int] = []
+        seen: set[int] = set()
+        total = 0
+        full = False
+        while i < len(steps) and not full:
+            for p in steps[i].param_ids:
+                if p in seen or self.shards[p].status is not ParamStatus.NOT_AVAILABLE:
+                    continue
+                if total + self.numels[p] > budget:
+                    full = True
+                    break
+                picked.append(p)
+                seen.add(p)
+                total += self.numels[p]
+            else:
+                i += 1
+        self._frontier = i
+        if picked:
+            self._gather(picked, async_op=self.overlap)
+
+    # -- whole-model transitions -----------------------------------------------------------
+    @_own_ops
+    def release_all(self) -> None:
+        """Wait for gathers in flight and free every non-persistent parameter
+        (end of backward, after an eval forward, after an error)."""
+        for p in list(self._handles):
+            if p in self._handles:
+                self._wait(p)
+        self._holders.clear()
+        self._users = [0] * len(self.shards)
+        for p, shard in enumerate(self.shards):
+            if not self.persistent[p]:
+                self._free(p)
+        self._steps = None
+        self._frontier = 0
+
+    @_own_ops
+    def refresh_persistent(self) -> None:
+        """After an optimizer step the shards changed: drop stale gathered
+        copies of persistent parameters and re-gather them in one collective
+        (asynchronously with ``overlap_comm``), ready for the next forward."""
+        stale = [p for p, s in enumerate(self.shards) if self.persistent[p] and s.status is ParamStatus.AVAILABLE]
+        for p in stale:
+            self._free(p)
+        if stale:
+            self._gather(stale, async_op=self.overlap)
+
+    def start_step(self) -> None:
+        self.trace.begin_step()
+        self._frontier = 0
+
+    def end_step(self) -> None:
+        self.trace.end_step()
+        self._steps = None
+        self._fetch_step.clear()
+
+    @property
+    def inflight(self) -> int:
+        return len({id(h) for h in self._handles.values()})
+
+    # -- parameters used outside their module ----------------------------------------------
+    def on_param_use(self, param: torch.Tensor, hooks: ModuleHooks) -> None:
+        if self._busy:
+            return
+        pid = self.index.get(id(param))
+        if pid is None:
+            return
+        user = hooks.active[-1] if hooks.active else None
+        if user is not None and user in self.module_params and pid not in self.module_params[user]:
+            self.module_params[user].append(pid)
+            if user in self._holders:
+                self._users[pid] += 1
+            if self.trace.state is TraceState.COMPLETE:
+                self.trace.invalidate()
+        if self.shards[pid].status is not ParamStatus.AVAILABLE:
+            self.ensure_gathered([pid])
+
+
+class ParamUseMode(TorchFunctionMode):
+    """Sees the parameters passed to every torch call in the engine's forward
+    (see the Note on parameters used outside their module)."""
+
+    def __init__(self, coordinator: ParamCoordinator, hooks: ModuleHooks) -> None:
+        super().__init__()
+        self.coordinator, self.hooks = coordinator, hooks
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, nn.Parameter):
+                self.coordinator.on_param_use(arg, self.hooks)
+            elif isinstance(arg, (list, tuple)):
+                for item in arg:
+                    if isinstance(item, nn.Parameter):
+                        self.coordinator.on_param_use(item, self.hooks)
+        return func(*args, **kwargs)
