@@ -86,15 +86,15 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         return type(obj)(map_tensors(fn, item) for item in obj)
     if isinstance(obj, dict):
         # copy, then assign: keeps dict subclasses (e.g. Hugging Face ModelOutput) intact
-        out = copy.copy(obj)
+        mapped = copy.copy(obj)
         for key, value in obj.items():
-            out[key] = map_tensors(fn, value)
-        return out
+            mapped[key] = map_tensors(fn, value)
+        return mapped
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
+        rebuilt: Any = copy.copy(obj)
         for field in dataclasses.fields(obj):
-            object.__setattr__(out, field.name, map_tensors(fn, getattr(obj, field.name)))
-        return out
+            object.__setattr__(rebuilt, field.name, map_tensors(fn, getattr(obj, field.name)))
+        return rebuilt
     return obj
 
 

@@ -22,6 +22,15 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
+def _check_numel(numel: object) -> None:
+    # A float or a bool would silently turn the integer counters into
+    # something else; refuse it at the door.
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+
+
 @attrs.define
 class PrefetchLimiter:
     """Budget for prefetching under the three limits."""
@@ -41,8 +50,7 @@ class PrefetchLimiter:
 
     def on_gather(self, numel: int) -> None:
         """A gather of ``numel`` elements was issued (demand or prefetch)."""
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
+        _check_numel(numel)
         self.live_numel += numel
         self.inflight += 1
         self.high_water = max(self.high_water, self.live_numel)
@@ -55,7 +63,8 @@ class PrefetchLimiter:
 
     def on_release(self, numel: int) -> None:
         """``numel`` gathered elements were released."""
-        if numel < 0 or numel > self.live_numel:
+        _check_numel(numel)
+        if numel > self.live_numel:
             raise ValueError(f"cannot release {numel} elements with {self.live_numel} live")
         self.live_numel -= numel
 

@@ -31,7 +31,8 @@ class ReleasePolicy(Protocol):
     ) -> list[int]:
         """Ids among ``params`` ((id, numel) of the exiting module's gathered,
         non-persistent parameters) to release now. ``step`` is the exiting
-        module's fetch index in the trace; ``live_numel`` the gathered elements."""
+        module's fetch index in the trace (-1: before the first fetch);
+        ``live_numel`` the gathered elements, these parameters included."""
         ...
 
 
@@ -45,10 +46,11 @@ def _nonnegative(_: object, attribute: attrs.Attribute[int], value: int) -> None
 @attrs.frozen
 class StockReleasePolicy:
     """DeepSpeed's rule: keep a parameter whose next use in the frozen trace
-    is within ``max_reuse_distance`` elements of fetching (tied weights, a
-    layer used again soon), as long as the live total stays within
-    ``max_live_parameters``; never release parameters smaller than
-    ``param_persistence_threshold``. Without a complete trace, release all."""
+    comes after fewer than ``max_reuse_distance`` fetched elements
+    (``TraceRecorder.reuse_distance``; tied weights, a layer used again
+    soon), as long as the live total stays within ``max_live_parameters``;
+    never release parameters smaller than ``param_persistence_threshold``.
+    Without a complete trace, release all non-persistent ones."""
 
     max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_nonnegative)
     param_persistence_threshold: int = attrs.field(default=100_000, validator=_nonnegative)
@@ -64,20 +66,60 @@ class StockReleasePolicy:
         trace: TraceRecorder,
         live_numel: int,
     ) -> list[int]:
+        _check_release_args(step, params, live_numel)
+        # Persistent parameters stay gathered for the whole run; the caller
+        # should not pass them, but if it does they must not be freed here.
+        candidates = [(pid, numel) for pid, numel in params if not self.is_persistent(numel)]
         if trace.state is not TraceState.COMPLETE:
-            return [pid for pid, _ in params]
-        released: list[int] = []
-        for pid, numel in params:
+            return [pid for pid, _ in candidates]
+        # Note: the reuse window is strict, as in DeepSpeed's
+        # ``__params_to_release`` (it stops scanning once the elements passed
+        # reach the limit), so ``max_reuse_distance=0`` keeps nothing for
+        # reuse; with ``<=`` no setting could turn reuse-keeping off.
+        release: set[int] = set()
+        reused: list[tuple[int, int]] = []
+        for pid, numel in candidates:
             distance = trace.reuse_distance(pid, step)
-            keep = (
-                distance is not None
-                and distance <= self.max_reuse_distance
-                and live_numel <= self.max_live_parameters
-            )
-            if not keep:
-                released.append(pid)
+            if distance is not None and distance < self.max_reuse_distance:
+                reused.append((pid, numel))
+            else:
+                release.add(pid)
                 live_numel -= numel
-        return released
+        # Note: the live bound is applied after the parameters that go anyway
+        # are subtracted, so whether a reused parameter is kept does not
+        # depend on where it sits in ``params``; reused ones are dropped in
+        # order until the rest fit.
+        for pid, numel in reused:
+            if live_numel <= self.max_live_parameters:
+                break
+            release.add(pid)
+            live_numel -= numel
+        return [pid for pid, _ in candidates if pid in release]
+
+
+def _check_release_args(step: object, params: Sequence[tuple[object, object]], live_numel: object) -> None:
+    """Reject inputs that would make the live-bound arithmetic meaningless."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    # -1 is "before the first fetch" (TraceRecorder.reuse_distance): what a
+    # caller that has no fetch index for the module passes.
+    if step < -1:
+        raise ValueError(f"step must be >= -1, got {step}")
+    if isinstance(live_numel, bool) or not isinstance(live_numel, int):
+        raise TypeError(f"live_numel must be an int, got {type(live_numel).__name__}")
+    total = 0
+    for pid, numel in params:
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise TypeError(f"parameter ids must be ints, got {type(pid).__name__}")
+        if isinstance(numel, bool) or not isinstance(numel, int):
+            raise TypeError(f"parameter numels must be ints, got {type(numel).__name__}")
+        if numel < 0:
+            raise ValueError(f"parameter numels must be >= 0, got {numel}")
+        total += numel
+    # The exiting module's parameters are gathered, so they are part of the
+    # live total; less than them means the caller counts live elements wrong.
+    if live_numel < total:
+        raise ValueError(f"live_numel {live_numel} is less than the {total} elements of params")
 
 
 @attrs.frozen

@@ -41,6 +41,31 @@ class TraceStep:
     numels: tuple[int, ...]
 
 
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; True as a size or an id is a caller's mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fetch(module_id: object, param_ids: Sequence[object], numels: Sequence[object]) -> None:
+    """Reject a malformed fetch before it reaches the trace: a bad entry in
+    a recording would otherwise surface only as wrong distances later."""
+    if not _is_int(module_id):
+        raise TypeError(f"module_id must be an int, got {type(module_id).__name__}")
+    if len(param_ids) != len(numels):
+        raise ValueError(f"{len(param_ids)} parameter ids but {len(numels)} sizes")
+    for pid in param_ids:
+        if not _is_int(pid):
+            raise TypeError(f"parameter ids must be ints, got {type(pid).__name__}")
+    if len(set(param_ids)) != len(param_ids):
+        # A repeated id would count its elements twice in reuse distances.
+        raise ValueError(f"duplicate parameter ids in one fetch: {list(param_ids)}")
+    for numel in numels:
+        if isinstance(numel, bool) or not isinstance(numel, int):
+            raise TypeError(f"numels must be ints, got {type(numel).__name__}")
+        if numel < 0:
+            raise ValueError(f"numels must be >= 0, got {numel}")
+
+
 class TraceRecorder:
     """INVALID -> RECORD -> COMPLETE state machine over module fetches."""
 
@@ -95,8 +120,7 @@ class TraceRecorder:
     def on_fetch(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
         """Note a module fetch; returns True when it matches a complete trace
         (so prefetch may follow it). Records it while recording."""
-        if len(param_ids) != len(numels):
-            raise ValueError(f"{len(param_ids)} parameter ids but {len(numels)} sizes")
+        _check_fetch(module_id, param_ids, numels)
         if not self._in_step:
             return False
         step = self._cursor
@@ -106,7 +130,10 @@ class TraceRecorder:
             return False
         if self.state is TraceState.COMPLETE:
             expected = self._steps[step] if step < len(self._steps) else None
-            if expected is None or expected.module_id != module_id or expected.param_ids != tuple(param_ids):
+            # Sizes are part of the match: reuse distances and prefetch sizes
+            # are read off the frozen sizes, so a fetch of the same ids with
+            # other sizes would make them wrong.
+            if expected is None or expected != TraceStep(module_id, tuple(param_ids), tuple(numels)):
                 self.invalidate()
                 return False
             return True
@@ -154,7 +181,14 @@ class TraceRecorder:
 
     def reuse_distance(self, param_id: int, at: int) -> int | None:
         """Elements fetched by the steps strictly between ``at`` and the next use
-        of ``param_id``; None when it is not used again in this step."""
+        of ``param_id``; None when it is not used again in this step.
+        ``at=-1`` means before the first fetch (as for ``next_use``)."""
+        # Below -1 the cumulative sizes would be indexed from the end and give
+        # a wrong (even negative) distance instead of an error.
+        if isinstance(at, bool) or not isinstance(at, int):
+            raise TypeError(f"at must be an int fetch index, got {type(at).__name__}")
+        if at < -1:
+            raise ValueError(f"at must be a fetch index >= -1, got {at}")
         nxt = self.next_use(param_id, at)
         if nxt is None:
             return None

@@ -15,7 +15,7 @@ Data flow (see ../shared/DESIGN.md):
 from __future__ import annotations
 
 import contextlib
-import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +35,7 @@ from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3.config import Zero3Config
 from z3kit_recipes.zero3.grads import GradReducer
-from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode
+from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode, TimelineEvent
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LeafSpec = type[nn.Module] | nn.Module
@@ -69,6 +69,16 @@ class Zero3Stats:
     trace_state: str
     trace_invalidations: int
     last_grad_norm: float | None
+    #: wall time from the previous optimizer step to the last one, and the part of it blocked on communication
+    step_time_s: float
+    comm_wait_s: float
+
+    @property
+    def comm_wait_share(self) -> float:
+        return self.comm_wait_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def collectives_per_step(self) -> int:
+        return sum(kind["calls"] for kind in self.collectives.values())
 
 
 class Zero3Engine:
@@ -208,6 +218,13 @@ class Zero3Engine:
         self._last_grad_norm: float | None = None
         self._log_at_step = self.log.snapshot()
         self._last_step_collectives = _diff(self.log.snapshot(), self._log_at_step)
+        self._step_started = time.perf_counter()
+        self._wait_at_step = 0.0
+        self._last_step_time = 0.0
+        self._last_comm_wait = 0.0
+        self._capture_armed = False
+        #: the parameter timeline of the last captured step (see ``capture_timeline``)
+        self.timeline: list[TimelineEvent] = []
 
     # -- construction helpers -----------------------------------------------------------
     def _broadcast_full(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -355,8 +372,25 @@ class Zero3Engine:
         now = self.log.snapshot()
         self._last_step_collectives = _diff(now, self._log_at_step)
         self._log_at_step = now
+        clock, waited = time.perf_counter(), self._comm_wait_total()
+        self._last_step_time, self._last_comm_wait = clock - self._step_started, waited - self._wait_at_step
+        self._step_started, self._wait_at_step = clock, waited
         self.limiter.reset_high_water()
+        if self.coordinator.timeline is not None:
+            self.timeline, self.coordinator.timeline = self.coordinator.timeline, None
+        if self._capture_armed:
+            self._capture_armed = False
+            self.coordinator.timeline = []
         return True
+
+    def capture_timeline(self) -> None:
+        """Record every fetch, prefetch and release of the next optimizer step
+        (from the step() after this call to the following one) into ``timeline``."""
+        self._capture_armed = True
+
+    def _comm_wait_total(self) -> float:
+        reducer_wait = 0.0 if self.reducer is None else self.reducer.comm_wait_s
+        return self.coordinator.comm_wait_s + reducer_wait
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last optimizer step."""
@@ -424,6 +458,8 @@ class Zero3Engine:
             trace_state=self.trace.state.value,
             trace_invalidations=self.trace.invalidations,
             last_grad_norm=self._last_grad_norm,
+            step_time_s=self._last_step_time,
+            comm_wait_s=self._last_comm_wait,
         )
 
     def gathered_numel(self) -> int:

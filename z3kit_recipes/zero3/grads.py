@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import time
+
 import torch
 
 from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
@@ -19,6 +21,7 @@ from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
+from z3kit_recipes.zero3.params import profiled
 
 
 class GradReducer:
@@ -61,6 +64,8 @@ class GradReducer:
             ]
         self.bucket_dtype = bucket_dtype
         self._current = 0
+        #: seconds spent blocked on reductions
+        self.comm_wait_s = 0.0
         self._flights: dict[int, BucketFlush] = {}  # bucket index -> its reduction in flight
         # unbucketed reductions in flight: (pid, this rank's partition, padded input kept alive, handle)
         self._alone: list[tuple[int, torch.Tensor, torch.Tensor, Pending]] = []
@@ -104,7 +109,7 @@ class GradReducer:
         bucket = self.buckets[index]
         if bucket.is_empty():
             return
-        with self.streams.on_comm():
+        with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"), self.streams.on_comm():
             self._flights[index] = bucket.flush(self.group, scale=self.scale, async_op=self.overlap, log=self.log)
         self.streams.hold_until_comm_done(bucket.buffer)
         self._current = (index + 1) % len(self.buckets)
@@ -115,8 +120,10 @@ class GradReducer:
         flight = self._flights.pop(index, None)
         if flight is None:
             return
+        start = time.perf_counter()
         parts = flight.wait()
         self.streams.compute_wait_comm()
+        self.comm_wait_s += time.perf_counter() - start
         for pid, part in parts:
             self.partitions.accumulate(self.slot[pid], part)
 
@@ -127,8 +134,10 @@ class GradReducer:
             for index in list(self._flights):
                 self._land(index)
         for pid, out, _padded, pending in self._alone:
+            start = time.perf_counter()
             pending.wait()
             self.streams.compute_wait_comm()
+            self.comm_wait_s += time.perf_counter() - start
             self.partitions.accumulate(self.slot[pid], out)
         self._alone.clear()
 

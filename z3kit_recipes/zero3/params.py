@@ -30,10 +30,13 @@ Note: parameters used outside their module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -65,6 +68,27 @@ def _own_ops(method: F) -> F:
             self._busy = False
 
     return wrapper  # type: ignore[return-value]
+
+
+def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
+    """A named range in torch.profiler traces; free when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
+@attrs.frozen
+class TimelineEvent:
+    """One point of a step's parameter timeline (``ParamCoordinator.timeline``)."""
+
+    time_s: float
+    #: "fetch", "prefetch" or "release"
+    kind: str
+    module: str
+    #: elements the event gathered or released
+    numel: int
+    #: gathered elements right after the event
+    live_numel: int
 
 
 class ParamCoordinator:
@@ -101,6 +125,18 @@ class ParamCoordinator:
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
         self._frontier = 0  # trace index up to which prefetch has looked
         self._busy = False  # set while we run torch ops of our own (ParamUseMode ignores them)
+        self.names = {m: name or "<root>" for name, m in _named(module_params)}
+        #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
+        self.comm_wait_s = 0.0
+        #: when a list, every fetch, prefetch and release is appended to it
+        self.timeline: list[TimelineEvent] | None = None
+
+    def _note(self, kind: str, module: nn.Module | None, numel: int) -> None:
+        if self.timeline is not None:
+            name = "<prefetch>" if module is None else self.names.get(module, type(module).__name__)
+            self.timeline.append(
+                TimelineEvent(time.perf_counter(), kind, name, numel, self.limiter.live_numel)
+            )
 
     # -- gathering --------------------------------------------------------------
     def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
@@ -117,8 +153,10 @@ class ParamCoordinator:
 
     def _wait(self, pid: int) -> None:
         handle = self._handles[pid]
+        start = time.perf_counter()
         handle.wait()
         self.streams.compute_wait_comm()
+        self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
             self._handles.pop(self.index[id(s.param)], None)
         self.limiter.on_gather_done()
@@ -135,7 +173,9 @@ class ParamCoordinator:
             elif status is ParamStatus.INFLIGHT:
                 inflight.append(p)
         if missing:
+            start = time.perf_counter()
             self._gather(missing, async_op=False)
+            self.comm_wait_s += time.perf_counter() - start
         for p in inflight:
             if self.shards[p].status is ParamStatus.INFLIGHT:
                 self._wait(p)
@@ -149,7 +189,10 @@ class ParamCoordinator:
         if self.tracing:
             matches = self.trace.on_fetch(self.module_keys[module], pids, [self.numels[p] for p in pids])
             self._fetch_step[module] = self.trace.step - 1
-        self.ensure_gathered(pids)
+        live_before = self.limiter.live_numel
+        with profiled(f"z3kit.fetch {self.names[module]}"):
+            self.ensure_gathered(pids)
+        self._note("fetch", module, self.limiter.live_numel - live_before)
         if module not in self._holders:
             self._holders.add(module)
             for p in pids:
@@ -185,8 +228,10 @@ class ParamCoordinator:
             )
         else:  # outside a traced step (eval, no_grad) nothing is coming back soon
             chosen = [p for p, _ in candidates]
-        for p in chosen:
-            self._free(p)
+        with profiled(f"z3kit.release {self.names[module]}"):
+            for p in chosen:
+                self._free(p)
+        self._note("release", module, sum(self.numels[p] for p in chosen))
 
     def _free(self, pid: int) -> None:
         shard = self.shards[pid]
@@ -227,7 +272,9 @@ class ParamCoordinator:
                 i += 1
         self._frontier = i
         if picked:
-            self._gather(picked, async_op=self.overlap)
+            with profiled(f"z3kit.prefetch {len(picked)} params"):
+                self._gather(picked, async_op=self.overlap)
+            self._note("prefetch", None, total)
 
     # -- whole-model transitions -----------------------------------------------------------
     @_own_ops
@@ -285,6 +332,15 @@ class ParamCoordinator:
                 self.trace.invalidate()
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
             self.ensure_gathered([pid])
+
+
+def _named(module_params: dict[nn.Module, list[int]]) -> list[tuple[str, nn.Module]]:
+    """Qualified names of the hooked modules (the first module is the root)."""
+    modules = list(module_params)
+    if not modules:
+        return []
+    names = {m: n for n, m in modules[0].named_modules()}
+    return [(names.get(m, type(m).__name__), m) for m in modules]
 
 
 class ParamUseMode(TorchFunctionMode):
