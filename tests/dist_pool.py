@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, conn: Connection) -> None:
         except EOFError:
             break
         if message == b"stop":
-            break
+            os._exit(0)  # skip process-group teardown: the pool is going away as a whole
         try:
             fn, args, kwargs = pickle.loads(message)
             reply: tuple[str, Any] = ("ok", fn(ctx, *args, **kwargs))
@@ -140,7 +140,7 @@ class DistPool:
             except (BrokenPipeError, OSError):
                 pass
         for proc in self._procs:
-            proc.join(timeout=5)
+            proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

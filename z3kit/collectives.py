@@ -11,6 +11,7 @@ non-contiguous views. Each call is counted, with its bytes, in an optional
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -116,9 +117,16 @@ def _check_group(group: ProcessGroup | None) -> ProcessGroup:
     return group
 
 
-def _check_scale(scale: float) -> None:
+def _check_scale(scale: float, tensor: torch.Tensor) -> None:
+    # checked before the collective is issued: a bad scale found only in wait()
+    # would leave the summed, unscaled values behind
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
     if not (scale == scale) or scale in (float("inf"), float("-inf")):  # NaN or inf
         raise ValueError(f"scale must be finite, got {scale}")
+    if scale != 1.0 and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"scale {scale} needs a floating-point tensor, got {tensor.dtype}")
 
 
 def _scaler(tensor: torch.Tensor, scale: float) -> Callable[[], None] | None:
@@ -151,7 +159,10 @@ def all_gather(
     if log is not None:
         log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
     work = _all_gather_single(output, input, group=group, async_op=async_op)
-    return Pending(work if async_op else None)
+    pending = Pending(work if async_op else None)
+    if not async_op:
+        pending.wait()  # like the reductions: a synchronous call returns a done handle
+    return pending
 
 
 def reduce_scatter(
@@ -167,7 +178,7 @@ def reduce_scatter(
     rank's chunk lands in ``output``, then is multiplied by ``scale``."""
     group = _check_group(group)
     _check_pair(output, input)
-    _check_scale(scale)
+    _check_scale(scale, output)
     world = dist.get_world_size(group)
     if input.numel() != world * output.numel():
         raise ValueError(
@@ -194,7 +205,7 @@ def all_reduce(
     """Sum ``tensor`` in place over ranks, then multiply it by ``scale``."""
     group = _check_group(group)
     _check_tensor("tensor", tensor)
-    _check_scale(scale)
+    _check_scale(scale, tensor)
     if log is not None:
         log.record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

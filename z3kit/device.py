@@ -64,7 +64,14 @@ def accelerator_type() -> str:
 
 def backend_for(device: torch.device | str) -> str:
     """Process-group backend that fits a device (nccl, hccl, xccl or gloo)."""
-    device_type = torch.device(device).type
+    if isinstance(device, torch.device):
+        device_type = device.type
+    elif isinstance(device, str):
+        # parse the type ourselves: torch.device("npu") fails until torch_npu is imported,
+        # and torch raises RuntimeError for strings it does not know
+        device_type = device.split(":", 1)[0].strip()
+    else:
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
     if device_type not in BACKEND_FOR_DEVICE_TYPE:
         raise ValueError(
             f"no process-group backend is known for device type {device_type!r}; "
@@ -83,13 +90,39 @@ def resolve_device(local_rank: int | None = None, prefer: str | None = None) -> 
     if prefer is not None and prefer not in BACKEND_FOR_DEVICE_TYPE:
         raise ValueError(f"prefer must be one of {sorted(BACKEND_FOR_DEVICE_TYPE)}, got {prefer!r}")
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        raw = os.environ.get("LOCAL_RANK", "0")
+        try:
+            local_rank = int(raw)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+    if not isinstance(local_rank, int) or isinstance(local_rank, bool):
+        raise TypeError(f"local_rank must be an int, got {type(local_rank).__name__}")
     if local_rank < 0:
         raise ValueError(f"local_rank must be >= 0, got {local_rank}")
     device_type = prefer or accelerator_type()
     if device_type == "cpu":
         return DeviceInfo(torch.device("cpu"), "gloo")
-    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else 1
-    if count and local_rank >= count:
+    # count the devices of *this* type: torch.accelerator counts only the current
+    # accelerator's, and a preferred type that is absent must not resolve to a device
+    count = device_count(device_type)
+    if count == 0:
+        raise ValueError(f"no {device_type} device is available (prefer={prefer!r})")
+    if local_rank >= count:
         raise ValueError(f"local_rank {local_rank} but only {count} {device_type} devices are visible")
     return DeviceInfo(torch.device(device_type, local_rank), backend_for(device_type))
+
+
+def device_count(device_type: str) -> int:
+    """Number of visible devices of ``device_type`` (0 when the type is absent)."""
+    if device_type == "cpu":
+        return 1
+    if device_type == "npu" and not _import_torch_npu():
+        return 0
+    try:
+        module = torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError, ValueError):
+        return 0
+    try:
+        return int(module.device_count()) if module.is_available() else 0
+    except (RuntimeError, AttributeError, AssertionError):
+        return 0

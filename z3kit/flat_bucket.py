@@ -51,7 +51,9 @@ class BucketFlush:
 
     def wait(self) -> list[tuple[int, torch.Tensor]]:
         self._pending.wait()
-        self._bucket._in_flight = None
+        # a stale handle waited on again must not unlock a newer flush still in flight
+        if self._bucket._in_flight is self:
+            self._bucket._in_flight = None
         return self._parts
 
 
@@ -70,11 +72,13 @@ class FlatBucket:
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool):
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if not isinstance(mode, ReduceMode):
+            raise TypeError(f"mode must be a ReduceMode, got {mode!r}")
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
         if capacity < world:
             raise ValueError(f"capacity must be at least the world size ({world}), got {capacity}")
-        if not dtype.is_floating_point:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"gradient buckets hold floating-point values, got {dtype}")
         self.rank, self.world, self.mode = rank, world, mode
         self.capacity = capacity - capacity % world
@@ -109,7 +113,7 @@ class FlatBucket:
     def add(self, key: int, grad: torch.Tensor) -> None:
         """Copy ``grad`` into the next slice; raises if it would overflow."""
         if self._in_flight is not None:
-            raise RuntimeError("bucket is being reduced; wait on its flush before adding gradients")
+            raise ValueError("bucket is being reduced; wait on its flush before adding gradients")
         if grad.dtype != self.buffer.dtype:
             raise TypeError(f"gradient dtype {grad.dtype} differs from the bucket's {self.buffer.dtype}")
         if grad.device != self.buffer.device:
@@ -146,7 +150,7 @@ class FlatBucket:
         """Reduce (sum, then ``scale``) everything added so far; this rank's
         partitions come back from ``wait()``. The bucket is empty afterwards."""
         if self._in_flight is not None:
-            raise RuntimeError("bucket is already being reduced; wait on the previous flush")
+            raise ValueError("bucket is already being reduced; wait on the previous flush")
         if not self._entries:
             raise ValueError("flush of an empty bucket")
         used, entries = self._used, self._entries

@@ -27,12 +27,13 @@ class GradPartitionBuffer:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if any((not isinstance(n, int)) or n < 1 for n in partition_numels):
-            raise ValueError(f"partition sizes must be positive ints, got {list(partition_numels)}")
-        if not dtype.is_floating_point:
+        partition_numels = list(partition_numels)  # a generator would be used up by the check
+        if any((not isinstance(n, int)) or isinstance(n, bool) or n < 1 for n in partition_numels):
+            raise ValueError(f"partition sizes must be positive ints, got {partition_numels}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"accumulation dtype must be floating point, got {dtype}")
         self.buffer = torch.zeros(sum(partition_numels), dtype=dtype, device=device)
-        self.views: list[torch.Tensor] = list(self.buffer.split(list(partition_numels))) if partition_numels else []
+        self.views: list[torch.Tensor] = list(self.buffer.split(list(partition_numels))) if partition_numels else []  # Tensor.split is unannotated in torch
         self._has_grad = [False] * len(self.views)
 
     def __len__(self) -> int:
@@ -44,8 +45,11 @@ class GradPartitionBuffer:
 
     def accumulate(self, index: int, partition: torch.Tensor) -> None:
         """Copy (first contribution in the window) or add ``partition`` into view ``index``."""
-        if not 0 <= index < len(self.views):
-            raise ValueError(f"partition index {index} out of range [0, {len(self.views)})")
+        self._check_index(index)
+        if not isinstance(partition, torch.Tensor):
+            raise TypeError(f"partition must be a torch.Tensor, got {type(partition).__name__}")
+        if not partition.is_floating_point():
+            raise TypeError(f"partition {index} must be floating point, got {partition.dtype}")
         view = self.views[index]
         if partition.numel() != view.numel():
             raise ValueError(f"partition {index} has {view.numel()} elements, got {partition.numel()}")
@@ -57,7 +61,15 @@ class GradPartitionBuffer:
             view.copy_(partition.reshape(-1))
             self._has_grad[index] = True
 
+    def _check_index(self, index: int) -> None:
+        # a negative index would silently pick a partition from the end
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"partition index must be an int, got {type(index).__name__}")
+        if not 0 <= index < len(self.views):
+            raise ValueError(f"partition index {index} out of range [0, {len(self.views)})")
+
     def has_grad(self, index: int) -> bool:
+        self._check_index(index)
         return self._has_grad[index]
 
     def optimizer_grads(self) -> list[torch.Tensor | None]:
@@ -67,12 +79,13 @@ class GradPartitionBuffer:
 
     def squared_norm(self) -> torch.Tensor:
         """Sum of squares of this rank's accumulated partitions (fp32 or wider)."""
+        dtype = torch.promote_types(self.buffer.dtype, torch.float32)  # fp64 buffers stay fp64
         if all(self._has_grad):
-            return self.buffer.float().pow(2).sum()
-        total = self.buffer.new_zeros((), dtype=torch.float32)
+            return self.buffer.to(dtype).pow(2).sum()
+        total = self.buffer.new_zeros((), dtype=dtype)
         for view, has in zip(self.views, self._has_grad):
             if has:  # views without a gradient this window hold stale values
-                total += view.float().pow(2).sum()
+                total += view.to(dtype).pow(2).sum()
         return total
 
     def scale_(self, factor: float) -> None:

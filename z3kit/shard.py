@@ -105,7 +105,13 @@ class ParamShard:
         self.status = ParamStatus.AVAILABLE
 
     def release(self) -> None:
-        """Drop the full values; only the shard stays resident."""
+        """Drop the full values; only the shard stays resident.
+
+        Releasing a parameter whose gather is in flight is refused: the
+        gather's ``wait()`` would install it again behind the caller's back.
+        """
+        if self.status is ParamStatus.INFLIGHT:
+            raise ValueError("cannot release a parameter whose gather is in flight (status INFLIGHT); wait on it first")
         self.param.data = self._empty
         self.status = ParamStatus.NOT_AVAILABLE
 
@@ -158,10 +164,17 @@ def gather_shards(
     for s in shards:
         if s.status is not ParamStatus.NOT_AVAILABLE:
             raise ValueError(f"cannot gather a parameter whose status is {s.status.name}; release it first")
+    if len({id(s) for s in shards}) != len(shards):
+        raise ValueError("gather_shards got the same shard more than once")
     first = shards[0]
     for s in shards[1:]:
         if s.shard.dtype != first.shard.dtype or s.shard.device != first.shard.device:
             raise TypeError("coalesced gather needs shards of one dtype and device")
+        if s.world != first.world or s.rank != first.rank:
+            raise ValueError(
+                f"coalesced gather needs shards of one rank and world size, got rank {s.rank} of {s.world} "
+                f"and rank {first.rank} of {first.world}"
+            )
     world = first.world
     total = sum(s.numel for s in shards)
     if len(shards) == 1:
@@ -179,9 +192,11 @@ def gather_shards(
 
         def install() -> None:
             pending.wait()
-            columns = out.view(world, -1).split([s.shard_numel for s in shards], dim=1)
+            columns = out.view(world, -1).split([s.shard_numel for s in shards], dim=1)  # Tensor.split is unannotated in torch
             for s, col in zip(shards, columns):
-                s.install(col.reshape(-1))  # reshape of a column block copies it out
+                # copy each column block out, so that releasing one parameter frees its
+                # memory (at world 1 a block is contiguous and reshape would return a view)
+                s.install(col.clone(memory_format=torch.contiguous_format).view(-1))
 
     for s in shards:
         s.status = ParamStatus.INFLIGHT

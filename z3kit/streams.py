@@ -53,11 +53,14 @@ class StreamPair:
     alive until the comm stream has finished with them (see the Note above).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device | str) -> None:
+        device = _as_device(device)
         if device.type == "cpu":
             raise ValueError("StreamPair needs an accelerator device; use SyncStreamPair on CPU")
         self._device = device
         self._module: Any = torch.get_device_module(device)
+        if not self._module.is_available():
+            raise ValueError(f"StreamPair needs a {device.type} device, but none is available")
         self.compute = self._module.current_stream(device)
         self.comm = self._module.Stream(device=device)
         self._held: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
@@ -98,8 +101,8 @@ class SyncStreamPair:
     the call that issued it returns.
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self._device = device or torch.device("cpu")
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self._device = torch.device("cpu") if device is None else _as_device(device)
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +125,15 @@ class SyncStreamPair:
         pass
 
 
-def stream_pair_for(device: torch.device) -> StreamPair | SyncStreamPair:
+def _as_device(device: torch.device | str) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        return torch.device(device)
+    raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+
+
+def stream_pair_for(device: torch.device | str) -> StreamPair | SyncStreamPair:
     """The stream pair that fits ``device``: real streams on accelerators, inline on CPU."""
+    device = _as_device(device)
     return SyncStreamPair(device) if device.type == "cpu" else StreamPair(device)

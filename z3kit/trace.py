@@ -78,6 +78,7 @@ class TraceRecorder:
         # derived on completion
         self._uses: dict[int, list[int]] = {}
         self._cum_numel: list[int] = [0]
+        self._frozen: tuple[TraceStep, ...] = ()
 
     # -- lifecycle ---------------------------------------------------------
     def begin_step(self) -> None:
@@ -120,23 +121,28 @@ class TraceRecorder:
     def on_fetch(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
         """Note a module fetch; returns True when it matches a complete trace
         (so prefetch may follow it). Records it while recording."""
+        if self._in_step and self.state is TraceState.COMPLETE and self._cursor < len(self._steps):
+            ahead = self._steps[self._cursor]
+            # Sizes are part of the match: reuse distances and prefetch sizes
+            # are read off the frozen sizes. A fetch equal to a recorded (hence
+            # already validated) step needs no checks: this is the steady path.
+            if (
+                ahead.module_id == module_id
+                and ahead.param_ids == tuple(param_ids)
+                and ahead.numels == tuple(numels)
+            ):
+                self._cursor += 1
+                return True
         _check_fetch(module_id, param_ids, numels)
         if not self._in_step:
             return False
-        step = self._cursor
         self._cursor += 1
         if self.state is TraceState.RECORD:
             self._steps.append(TraceStep(module_id, tuple(param_ids), tuple(numels)))
             return False
         if self.state is TraceState.COMPLETE:
-            expected = self._steps[step] if step < len(self._steps) else None
-            # Sizes are part of the match: reuse distances and prefetch sizes
-            # are read off the frozen sizes, so a fetch of the same ids with
-            # other sizes would make them wrong.
-            if expected is None or expected != TraceStep(module_id, tuple(param_ids), tuple(numels)):
-                self.invalidate()
-                return False
-            return True
+            # the fast path above did not match: the step departs from the trace
+            self.invalidate()
         return False
 
     @property
@@ -147,10 +153,13 @@ class TraceRecorder:
     # -- derived views of a complete trace -----------------------------------
     @property
     def steps(self) -> tuple[TraceStep, ...]:
+        if self.state is TraceState.COMPLETE:
+            return self._frozen
         return tuple(self._steps)
 
     def _freeze(self) -> None:
         self.state = TraceState.COMPLETE
+        self._frozen = tuple(self._steps)
         self._uses = {}
         cum = [0]
         for i, st in enumerate(self._steps):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -61,7 +62,7 @@ class Zero3Stats:
     resident_grad_numel: int
     #: elements of full parameters gathered right now (persistent ones included)
     live_numel: int
-    #: high-water of gathered elements since the last optimizer step, against the limit
+    #: high-water of gathered elements in the last optimizer step (and since), against the limit
     peak_live_numel: int
     max_live_parameters: int
     largest_fetch_numel: int
@@ -209,6 +210,7 @@ class Zero3Engine:
         self.leaf_param_ids = frozenset(leaf_params)
         self._use_mode = ParamUseMode(self.coordinator, self.hooks)
         self._param_ids = tuple(id(p) for p in params)
+        self._watch_registrations()
 
         self.micro_step = 0  # backwards completed since initialize
         self.global_step = 0  # optimizer steps taken
@@ -223,6 +225,7 @@ class Zero3Engine:
         self._last_step_time = 0.0
         self._last_comm_wait = 0.0
         self._capture_armed = False
+        self._last_peak_live = 0
         #: the parameter timeline of the last captured step (see ``capture_timeline``)
         self.timeline: list[TimelineEvent] = []
 
@@ -258,7 +261,8 @@ class Zero3Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_parameters_unchanged()
+        if self._registrations_seen:
+            self._check_parameters_unchanged()
         dtype = self.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
@@ -375,6 +379,7 @@ class Zero3Engine:
         clock, waited = time.perf_counter(), self._comm_wait_total()
         self._last_step_time, self._last_comm_wait = clock - self._step_started, waited - self._wait_at_step
         self._step_started, self._wait_at_step = clock, waited
+        self._last_peak_live = self.limiter.high_water
         self.limiter.reset_high_water()
         if self.coordinator.timeline is not None:
             self.timeline, self.coordinator.timeline = self.coordinator.timeline, None
@@ -451,7 +456,7 @@ class Zero3Engine:
             resident_master_numel=0 if self.masters_are_shards else _storage_numel(self.masters),
             resident_grad_numel=0 if self.reducer is None else _storage_numel([self.reducer.partitions.buffer]),
             live_numel=self.limiter.live_numel,
-            peak_live_numel=self.limiter.high_water,
+            peak_live_numel=max(self._last_peak_live, self.limiter.high_water),
             max_live_parameters=self.config.max_live_parameters,
             largest_fetch_numel=max(fetch_sizes, default=0),
             collectives=self._last_step_collectives,
@@ -487,9 +492,33 @@ class Zero3Engine:
         self.coordinator.tracing = False
         self.trace.invalidate()
 
+    def _watch_registrations(self) -> None:
+        """Note any parameter or submodule registered on the model after
+        initialize, through torch's global registration hooks, so that the
+        full check runs only when something may have changed. The hooks hold
+        the engine weakly and go away with it."""
+        self._registrations_seen = False
+        model_modules = {id(m) for m in self.module.modules()}
+        engine = weakref.ref(self)
+
+        def on_registration(owner: nn.Module, name: str, value: Any) -> None:
+            live = engine()
+            if live is not None and id(owner) in model_modules:
+                live._registrations_seen = True
+
+        from torch.nn.modules import module as module_registry
+
+        for register in (
+            module_registry.register_module_parameter_registration_hook,
+            module_registry.register_module_module_registration_hook,
+        ):
+            weakref.finalize(self, register(on_registration).remove)
+
     def _check_parameters_unchanged(self) -> None:
         current = [(name, p) for name, p in self.module.named_parameters()]
-        if len(current) != len(self._param_ids) or any(id(p) != i for (_, p), i in zip(current, self._param_ids)):
+        if len(current) == len(self._param_ids) and all(id(p) == i for (_, p), i in zip(current, self._param_ids)):
+            self._registrations_seen = False
+        else:
             known = set(self._param_ids)
             added = [name for name, p in current if id(p) not in known]
             raise RuntimeError(

@@ -31,10 +31,9 @@ Note: parameters used outside their module.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -48,26 +47,6 @@ from z3kit.release import ReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder, TraceState, TraceStep
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _own_ops(method: F) -> F:
-    """Mark a coordinator entry point: torch calls it makes on parameters
-    (gathers, ``param.data`` swaps) are its own, not uses by a module."""
-
-    @functools.wraps(method)
-    def wrapper(self: ParamCoordinator, *args: Any, **kwargs: Any) -> Any:
-        if self._busy:
-            return method(self, *args, **kwargs)
-        self._busy = True
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy = False
-
-    return wrapper  # type: ignore[return-value]
 
 
 def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
@@ -113,6 +92,8 @@ class ParamCoordinator:
         self.persistent = [policy.is_persistent(n) for n in self.numels]
         self.module_params = module_params
         self.module_keys = {m: key for key, m in enumerate(module_params)}
+        #: what each module's fetch looks like to the trace: (ids, sizes)
+        self._fetch_key = {m: self._key_of(pids) for m, pids in module_params.items()}
         self.group, self.streams, self.log = group, streams, log
         self.trace, self.policy, self.limiter = trace, policy, limiter
         self.overlap = overlap
@@ -124,7 +105,6 @@ class ParamCoordinator:
         self._fetch_step: dict[nn.Module, int] = {}
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
         self._frontier = 0  # trace index up to which prefetch has looked
-        self._busy = False  # set while we run torch ops of our own (ParamUseMode ignores them)
         self.names = {m: name or "<root>" for name, m in _named(module_params)}
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
@@ -137,6 +117,9 @@ class ParamCoordinator:
             self.timeline.append(
                 TimelineEvent(time.perf_counter(), kind, name, numel, self.limiter.live_numel)
             )
+
+    def _key_of(self, pids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(pids), tuple(self.numels[p] for p in pids)
 
     # -- gathering --------------------------------------------------------------
     def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
@@ -161,7 +144,6 @@ class ParamCoordinator:
             self._handles.pop(self.index[id(s.param)], None)
         self.limiter.on_gather_done()
 
-    @_own_ops
     def ensure_gathered(self, pids: Iterable[int]) -> None:
         """Make ``pids`` AVAILABLE now: gather the missing ones in one
         collective and wait for those in flight."""
@@ -181,13 +163,13 @@ class ParamCoordinator:
                 self._wait(p)
 
     # -- the module lifecycle --------------------------------------------------------
-    @_own_ops
     def fetch(self, module: nn.Module) -> None:
         """Pre-forward / pre-backward: the module's parameters, gathered, held."""
         pids = self.module_params[module]
         matches = False
         if self.tracing:
-            matches = self.trace.on_fetch(self.module_keys[module], pids, [self.numels[p] for p in pids])
+            ids, numels = self._fetch_key[module]
+            matches = self.trace.on_fetch(self.module_keys[module], ids, numels)
             self._fetch_step[module] = self.trace.step - 1
         live_before = self.limiter.live_numel
         with profiled(f"z3kit.fetch {self.names[module]}"):
@@ -202,7 +184,6 @@ class ParamCoordinator:
         else:
             self._steps = None
 
-    @_own_ops
     def release(self, module: nn.Module, keep: Iterable[int] = ()) -> None:
         """Post-forward / post-backward: let go of the module's parameters;
         the policy picks which to free (``keep``: never these, e.g. returned ones)."""
@@ -277,7 +258,6 @@ class ParamCoordinator:
             self._note("prefetch", None, total)
 
     # -- whole-model transitions -----------------------------------------------------------
-    @_own_ops
     def release_all(self) -> None:
         """Wait for gathers in flight and free every non-persistent parameter
         (end of backward, after an eval forward, after an error)."""
@@ -292,7 +272,6 @@ class ParamCoordinator:
         self._steps = None
         self._frontier = 0
 
-    @_own_ops
     def refresh_persistent(self) -> None:
         """After an optimizer step the shards changed: drop stale gathered
         copies of persistent parameters and re-gather them in one collective
@@ -317,15 +296,11 @@ class ParamCoordinator:
         return len({id(h) for h in self._handles.values()})
 
     # -- parameters used outside their module ----------------------------------------------
-    def on_param_use(self, param: torch.Tensor, hooks: ModuleHooks) -> None:
-        if self._busy:
-            return
-        pid = self.index.get(id(param))
-        if pid is None:
-            return
+    def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:
         user = hooks.active[-1] if hooks.active else None
         if user is not None and user in self.module_params and pid not in self.module_params[user]:
             self.module_params[user].append(pid)
+            self._fetch_key[user] = self._key_of(self.module_params[user])
             if user in self._holders:
                 self._users[pid] += 1
             if self.trace.state is TraceState.COMPLETE:
@@ -355,11 +330,14 @@ class ParamUseMode(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        index = self.coordinator.index
         for arg in (*args, *kwargs.values()):
-            if isinstance(arg, nn.Parameter):
-                self.coordinator.on_param_use(arg, self.hooks)
-            elif isinstance(arg, (list, tuple)):
+            pid = index.get(id(arg))
+            if pid is not None:
+                self.coordinator.on_param_use(pid, self.hooks)
+            elif type(arg) is list or type(arg) is tuple:
                 for item in arg:
-                    if isinstance(item, nn.Parameter):
-                        self.coordinator.on_param_use(item, self.hooks)
+                    pid = index.get(id(item))
+                    if pid is not None:
+                        self.coordinator.on_param_use(pid, self.hooks)
         return func(*args, **kwargs)
