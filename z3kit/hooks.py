@@ -35,6 +35,20 @@ Note: why the wrappers return detached tensors.
     output: in-place ops work, and version counters are shared, so a bad
     in-place op is still caught by autograd.
 
+Note: unused outputs.
+    A wrapper's backward gets ``None``, not zeros, for a wrapped tensor that
+    received no gradient (``set_materialize_grads(False)``) and passes it on
+    as ``None``. Materialized zeros would flow into the branch that produced
+    the unused tensor, so a parameter used only there (or an input that the
+    module ignores) would get a zero ``.grad`` where it should have none,
+    which optimizers treat differently (weight decay, momentum).
+
+Note: hook bodies run with torch-function dispatch disabled.
+    Wrapping, gathering and releasing are bookkeeping, not the module's
+    computation: a runtime that watches parameter use through a
+    ``TorchFunctionMode`` must not see them, and skipping the Python
+    dispatch of every bookkeeping op keeps the per-module cost low.
+
 Outputs and inputs may be tensors or any nesting of tuples, lists, dicts,
 dataclasses and namedtuples; only tensors that require grad are wrapped,
 and ``nn.Parameter`` objects are passed through untouched so that a
@@ -119,14 +133,18 @@ class _Call:
 
     module: nn.Module
     actions: HookActions
-    pre_fired: bool = False
-    post_fired: bool = False
+    #: len(active) when its forward started, and whether that was a recomputation
+    depth: int = 0
+    recompute: bool = False
+    #: counted in ``ModuleHooks._open`` (pre-backward fired, post-backward not yet)
+    open: bool = False
 
 
 class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.call = hooks, call
+        ctx.set_materialize_grads(False)  # see the Note on unused outputs
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
@@ -139,6 +157,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.call = hooks, call
+        ctx.set_materialize_grads(False)  # see the Note on unused outputs
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
@@ -172,7 +191,7 @@ class ModuleHooks:
         self.active: list[nn.Module] = []
         self._handles: dict[nn.Module, list[RemovableHandle]] = {}
         self._calls: dict[nn.Module, list[_Call]] = {}
-        self._open: dict[nn.Module, tuple[int, HookActions]] = {}
+        self._open: dict[nn.Module, list[_Call]] = {}
 
     def attach(self, module: nn.Module, actions: HookActions | None = None) -> None:
         if not isinstance(module, nn.Module):
@@ -182,10 +201,12 @@ class ModuleHooks:
         chosen = actions or self.default_actions
 
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return self._pre_forward(mod, chosen, args, kwargs)
+            with torch._C.DisableTorchFunction():
+                return self._pre_forward(mod, chosen, args, kwargs)
 
         def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            return self._post_forward(mod, chosen, output)
+            with torch._C.DisableTorchFunction():
+                return self._post_forward(mod, chosen, output)
 
         self._handles[module] = [
             module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -213,15 +234,15 @@ class ModuleHooks:
         """Forget calls in progress (after an exception aborted a forward or backward)."""
         self.active.clear()
         self._calls.clear()
-        self._open.clear()
+        self._close_all()
 
     # -- forward --------------------------------------------------------------
     def _pre_forward(
         self, module: nn.Module, actions: HookActions, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         actions.pre_forward(module)
+        call = _Call(module, actions, depth=len(self.active), recompute=in_backward())
         self.active.append(module)
-        call = _Call(module, actions)
         self._calls.setdefault(module, []).append(call)
         if not torch.is_grad_enabled():
             return None
@@ -240,29 +261,58 @@ class ModuleHooks:
         return wrapped if changed else None
 
     # -- backward -------------------------------------------------------------
+    # A call is open from its pre-backward to its post-backward and closed
+    # again after it, so that a second backward through a retained graph
+    # (``retain_graph=True``) fires both points again.
     def _pre_backward(self, call: _Call) -> None:
-        if call.pre_fired:
+        if call.open:
             return
-        call.pre_fired = True
-        count, _ = self._open.get(call.module, (0, call.actions))
-        self._open[call.module] = (count + 1, call.actions)
+        call.open = True
+        self._open.setdefault(call.module, []).append(call)
         call.actions.pre_backward(call.module)
 
     def _post_backward(self, call: _Call) -> None:
-        if not call.pre_fired or call.post_fired:
+        if not call.open:
             return
-        call.post_fired = True
-        count, actions = self._open[call.module]
-        if count > 1:
-            self._open[call.module] = (count - 1, actions)
+        call.open = False
+        calls = self._open[call.module]
+        calls.remove(call)
+        if calls:
             return
         del self._open[call.module]
-        actions.post_backward(call.module)
+        call.actions.post_backward(call.module)
+
+    def _close_all(self) -> list[tuple[nn.Module, HookActions]]:
+        """Close every open call; ``(module, actions)`` of each module that had one."""
+        closed = []
+        for module, calls in self._open.items():
+            for call in calls:
+                call.open = False
+            closed.append((module, calls[0].actions))
+        self._open.clear()
+        return closed
+
+    def _drop_unfinished_recomputations(self) -> None:
+        """Note: recomputations that stop early.
+        Non-reentrant checkpointing stops a recomputation (by raising inside
+        it) as soon as it has the tensors backward needs, so the post-forward
+        of the modules it was inside never runs. Their entries would stay on
+        ``active`` and in the call stacks for good; at the end of backward
+        every recomputation is over, so they are dropped here."""
+        unfinished = [c for calls in self._calls.values() for c in calls if c.recompute]
+        if not unfinished:
+            return
+        del self.active[min(c.depth for c in unfinished) :]
+        for calls in self._calls.values():
+            calls[:] = [c for c in calls if not c.recompute]
 
     def finish_backward(self) -> list[nn.Module]:
-        """Fire post-backward for every module still open; returns them."""
-        still_open = list(self._open.items())
-        self._open.clear()
-        for module, (_, actions) in still_open:
+        """Fire post-backward for every module still open, the most recently
+        opened first (children before their parents, as in backward);
+        returns them in that order. Also drops the forward state of
+        recomputations that stopped early."""
+        self._drop_unfinished_recomputations()
+        closed = self._close_all()[::-1]
+        for module, actions in closed:
             actions.post_backward(module)
-        return [module for module, _ in still_open]
+        return [module for module, _ in closed]

@@ -192,11 +192,16 @@ def gather_shards(
 
         def install() -> None:
             pending.wait()
-            columns = out.view(world, -1).split([s.shard_numel for s in shards], dim=1)  # Tensor.split is unannotated in torch
-            for s, col in zip(shards, columns):
-                # copy each column block out, so that releasing one parameter frees its
-                # memory (at world 1 a block is contiguous and reshape would return a view)
-                s.install(col.clone(memory_format=torch.contiguous_format).view(-1))
+            # Each parameter gets storage of its own, so that releasing one frees
+            # its memory; one split-copy kernel fills them all from the
+            # (world, sum of shard sizes) rank-major output.
+            sizes = [s.shard_numel for s in shards]
+            fulls = [out.new_empty(world * n) for n in sizes]
+            torch.split_with_sizes_copy(
+                out.view(world, -1), sizes, dim=1, out=[f.view(world, n) for f, n in zip(fulls, sizes)]
+            )
+            for s, full in zip(shards, fulls):
+                s.install(full)
 
     for s in shards:
         s.status = ParamStatus.INFLIGHT
