@@ -43,6 +43,15 @@ Note: unused outputs.
     module ignores) would get a zero ``.grad`` where it should have none,
     which optimizers treat differently (weight decay, momentum).
 
+Note: chains.
+    In a sequence of hooked modules each call's only input is usually the
+    previous call's output, which already comes out of a ``_PreBackward``
+    node. That node's backward runs once the gradient of that tensor (and
+    of the previous call's other outputs) is done, so it can mark the later
+    call's input gradients done too, just before it fires its own
+    pre-backward: the later call then needs no ``_PostBackward`` node of its
+    own, which halves the autograd nodes the hooks add to such a model.
+
 Note: hook bodies run with torch-function dispatch disabled.
     Wrapping, gathering and releasing are bookkeeping, not the module's
     computation: a runtime that watches parameter use through a
@@ -113,7 +122,9 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 
 
 def _needs_wrap(t: torch.Tensor) -> bool:
-    return t.requires_grad and not isinstance(t, nn.Parameter)
+    # ``type(t) is torch.Tensor`` first: nn.Parameter's isinstance check runs
+    # Python code, and plain tensors are the common case
+    return t.requires_grad and (type(t) is torch.Tensor or not isinstance(t, nn.Parameter))
 
 
 @attrs.frozen
@@ -144,13 +155,20 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.call = hooks, call
+        ctx.closes = []  # later calls whose post-backward this node also marks (see the Note on chains)
         ctx.set_materialize_grads(False)  # see the Note on unused outputs
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        for later in reversed(ctx.closes):  # the innermost, latest call first
+            ctx.hooks._post_backward(later)
         ctx.hooks._pre_backward(ctx.call)
         return (None, None, *grads)
+
+
+#: the autograd node class of ``_PreBackward``, to recognise its outputs
+_PRE_BACKWARD_NODE: Any = getattr(_PreBackward, "_backward_cls")
 
 
 class _PostBackward(torch.autograd.Function):
@@ -166,12 +184,20 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _wrap_tensors(
+    fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``tensors`` passed through one ``fn`` node."""
+    wrapped: tuple[torch.Tensor, ...] = fn.apply(hooks, call, *tensors)
+    return wrapped
+
+
 def _wrap(fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, obj: Any) -> Any:
     """Pass the tensors of ``obj`` that need grad through one ``fn`` node."""
     targets = [t for t in iter_tensors(obj) if _needs_wrap(t)]
     if not targets:
         return obj, False
-    wrapped = fn.apply(hooks, call, *targets)
+    wrapped = _wrap_tensors(fn, hooks, call, *targets)
     by_id = {id(t): w for t, w in zip(targets, wrapped)}
     return map_tensors(lambda t: by_id.get(id(t), t), obj), True
 
@@ -246,6 +272,15 @@ class ModuleHooks:
         self._calls.setdefault(module, []).append(call)
         if not torch.is_grad_enabled():
             return None
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            (arg,) = args
+            if not _needs_wrap(arg):
+                return None
+            node: Any = arg.grad_fn
+            if type(node) is _PRE_BACKWARD_NODE and node.hooks is self:
+                node.closes.append(call)
+                return None
+            return _wrap_tensors(_PostBackward, self, call, arg), kwargs
         (args, kwargs), changed = _wrap(_PostBackward, self, call, (args, kwargs))
         return (args, kwargs) if changed else None
 
@@ -257,6 +292,8 @@ class ModuleHooks:
         actions.post_forward(module, output)
         if not torch.is_grad_enabled():
             return None
+        if isinstance(output, torch.Tensor):
+            return _wrap_tensors(_PreBackward, self, call, output)[0] if _needs_wrap(output) else None
         wrapped, changed = _wrap(_PreBackward, self, call, output)
         return wrapped if changed else None
 
