@@ -145,6 +145,21 @@ class GatherHandle:
         self._pending.wait()
 
 
+def _adjacent_view(shards: Sequence[ParamShard]) -> torch.Tensor | None:
+    """One flat view over the shards when they lie back to back, in order, in
+    one storage (a runtime that allocates its shards from one buffer gets
+    coalesced gathers without a concatenation copy); None otherwise."""
+    first = shards[0].shard
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for s in shards:
+        t = s.shard
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset or not t.is_contiguous():
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
+
+
 def gather_shards(
     shards: Sequence[ParamShard],
     group: ProcessGroup,
@@ -186,7 +201,9 @@ def gather_shards(
             first.install(out)
 
     else:
-        flat_in = torch.cat([s.shard for s in shards])
+        flat_in = _adjacent_view(shards)
+        if flat_in is None:
+            flat_in = torch.cat([s.shard for s in shards])
         out = flat_in.new_empty(world * flat_in.numel())
         pending = all_gather(out, flat_in, group, async_op=async_op, log=log)
 

@@ -31,7 +31,7 @@ from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy, StockReleasePolicy
-from z3kit.shard import ParamShard, ParamStatus, partition_of
+from z3kit.shard import ParamShard, ParamStatus, partition_of, shard_numel_for
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3.config import Zero3Config
@@ -114,10 +114,15 @@ class Zero3Engine:
 
         # 1. every rank starts from rank 0's values, as DDP does; nothing is mutated yet
         full_values = self._broadcast_full(params)
-        shards = [
-            ParamShard(p, p.shape, p.numel(), self.rank, self.world, partition_of(full.to(dtype), self.rank, self.world))
-            for p, full in zip(params, full_values)
-        ]
+        # All shards are views of one flat buffer, in parameter order: a
+        # coalesced gather of neighbouring parameters then reads its input
+        # in place instead of concatenating it (see gather_shards).
+        sizes = [shard_numel_for(p.numel(), self.world) for p in params]
+        flat_shards = torch.empty(sum(sizes), dtype=dtype, device=device)
+        shards = []
+        for p, full, view in zip(params, full_values, flat_shards.split(sizes)):
+            view.copy_(partition_of(full.to(dtype), self.rank, self.world))
+            shards.append(ParamShard(p, p.shape, p.numel(), self.rank, self.world, view))
         trainable = [pid for pid, p in enumerate(params) if p.requires_grad]
         if dtype == torch.float32:
             # the fp32 shard is the master: the optimizer updates it in place
