@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from z3kit.collectives import CollectiveLog, ProcessGroup, broadcast
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
 from z3kit.leaf import LeafModuleHook, ParamGrads
@@ -271,7 +271,10 @@ class Zero3Engine:
         dtype = self.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
-        training = torch.is_grad_enabled()
+        # A traced training step is a grad-enabled forward in train mode. An
+        # eval() forward with grad on is usually not followed by a backward,
+        # so it must not keep parameters gathered for one.
+        training = torch.is_grad_enabled() and self.module.training
         was_tracing = self.coordinator.tracing
         self.coordinator.tracing = training
         if training:
@@ -473,8 +476,11 @@ class Zero3Engine:
         )
 
     def gathered_numel(self) -> int:
-        """Elements of full parameter storage held right now (measured on the tensors)."""
-        return sum(s.param.data.numel() for s in self.shards)
+        """Elements of full parameter storage held right now, measured on the
+        tensors, gathers in flight included (their buffers exist already)."""
+        with torch._C.DisableTorchFunction():  # our reads, not uses by a running module
+            installed = sum(s.param.data.numel() for s in self.shards)
+        return installed + self.coordinator.inflight_numel()
 
     # -- conveniences -------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Zero3Engine:
@@ -485,9 +491,24 @@ class Zero3Engine:
         return self.train(False)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameter values by name (every rank gets them), on CPU."""
+        """Full parameter values by name, on CPU, on every rank (collective).
+
+        Trainable parameters come from the fp32 master shards (in bf16 runs
+        too, so a checkpoint keeps full precision); frozen ones in their
+        compute dtype.
+        """
         with self.gathered_parameters() as params:
-            return {name: p.detach().to("cpu", copy=True) for name, p in zip(self.param_names, params)}
+            out = {name: p.detach().to("cpu", copy=True) for name, p in zip(self.param_names, params)}
+        if not self.masters_are_shards and self.masters:
+            flat = torch.cat([m.detach() for m in self.masters])
+            gathered = flat.new_empty(self.world * flat.numel())
+            all_gather(gathered, flat, self.group, log=self.log)
+            columns = gathered.view(self.world, -1).split([m.numel() for m in self.masters], dim=1)
+            for pid, column in zip(self.trainable, columns):
+                shard = self.shards[pid]
+                full = column.reshape(-1)[: shard.numel].view(shard.shape)
+                out[self.param_names[pid]] = full.to("cpu", copy=True)
+        return out
 
     # -- errors ---------------------------------------------------------------------------------------
     def _abort(self) -> None:

@@ -295,6 +295,10 @@ class ParamCoordinator:
     def inflight(self) -> int:
         return len({id(h) for h in self._handles.values()})
 
+    def inflight_numel(self) -> int:
+        """Elements of the gathers in flight (their output buffers exist)."""
+        return sum({id(h): h.numel for h in self._handles.values()}.values())
+
     # -- parameters used outside their module ----------------------------------------------
     def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:
         user = hooks.active[-1] if hooks.active else None
@@ -318,9 +322,17 @@ def _named(module_params: dict[nn.Module, list[int]]) -> list[tuple[str, nn.Modu
     return [(names.get(m, type(m).__name__), m) for m in modules]
 
 
+#: reads whose answer does not depend on a parameter being gathered: not a use
+_METADATA_READS = frozenset(
+    getattr(torch.Tensor, name).__get__
+    for name in ("dtype", "device", "requires_grad", "is_leaf", "grad_fn", "layout", "is_cuda", "grad")
+)
+
+
 class ParamUseMode(TorchFunctionMode):
     """Sees the parameters passed to every torch call in the engine's forward
-    (see the Note on parameters used outside their module)."""
+    (see the Note on parameters used outside their module). Reading a
+    parameter's dtype or device is not a use of it."""
 
     def __init__(self, coordinator: ParamCoordinator, hooks: ModuleHooks) -> None:
         super().__init__()
@@ -330,6 +342,8 @@ class ParamUseMode(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA_READS:
+            return func(*args, **kwargs)
         index = self.coordinator.index
         for arg in (*args, *kwargs.values()):
             pid = index.get(id(arg))
