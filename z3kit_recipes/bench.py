@@ -2,7 +2,8 @@
 
     python -m z3kit_recipes.bench [--workload tiny|gpt|all] [--world N]
         [--steps N] [--warmup N] [--runtimes ddp,fsdp2,deepspeed,z3kit]
-        [--threads auto|N] [--tie-mode hf|functional] [--out bench.json]
+        [--threads auto|N] [--trial-steps N] [--probe-steps N]
+        [--tie-mode hf|functional] [--pycache-dir DIR] [--out bench.json]
 
 Every runtime trains the same workload (:mod:`z3kit_recipes.models`): the same
 seeded initial weights on every rank, the same per-rank data (seeded by rank
@@ -36,20 +37,31 @@ What is measured, per rank and step:
   DDP (same weights, data and optimizer: the curves should agree to
   round-off).
 
-Threads: with ``--threads auto`` (default), DDP is run once per candidate
-number of intra-op threads per rank (1, cores // world, cores), the fastest
-is kept, and every other runtime of that workload uses the same number.
+Threads: with ``--threads auto`` (default), DDP first runs a short trial
+(``--trial-steps``) at each candidate number of intra-op threads per rank
+(1, cores // world, cores; a candidate 3x slower than the best so far is
+stopped early), then the full measurement at the fastest; every other
+runtime of that workload uses the same number. On 2 cores with 2 ranks, 1
+thread per rank wins by far: 2 threads per rank oversubscribe the cores.
+
+Spawned ranks cache bytecode under ``--pycache-dir`` (see
+``_use_bytecode_cache``), so that the heavy lazy imports are compiled once
+rather than in every rank of every run when ``PYTHONDONTWRITEBYTECODE`` is set.
 
 DeepSpeed is optional: it is skipped with a note when not importable. Its
 engine runs with ``DS_ACCELERATOR=cpu`` on the gloo group this benchmark
 creates, ZeRO stage 3 with its defaults, and DeepSpeed's ``Adam`` type with
-``torch_adam`` and ``adam_w_mode`` off, which is ``torch.optim.Adam``.
+``torch_adam`` and ``adam_w_mode`` off, which is ``torch.optim.Adam``, and
+``gradient_clipping`` 0 (DeepSpeed's own default clips to norm 1.0, which
+the other runtimes do not do).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -58,9 +70,9 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
@@ -69,7 +81,6 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 from z3kit_recipes.models import TIE_MODES, WORKLOAD_NAMES, TieMode, Workload, make_workload
 
@@ -102,7 +113,9 @@ def _import_optional(name: str) -> tuple[Any | None, str]:
 def available_runtimes() -> dict[RuntimeName, str]:
     """Each runtime mapped to "" when it can run, else the reason it cannot.
 
-    Run in the parent process; DeepSpeed is imported with ``DS_ACCELERATOR=cpu``.
+    Run in the parent process. DeepSpeed is imported here (with
+    ``DS_ACCELERATOR=cpu`` unless set) so that a broken install is skipped
+    with its error rather than failing inside the ranks.
     """
     out: dict[RuntimeName, str] = {"ddp": "", "fsdp2": ""}
     try:
@@ -112,7 +125,9 @@ def available_runtimes() -> dict[RuntimeName, str]:
     if importlib.util.find_spec("deepspeed") is None:
         out["deepspeed"] = "deepspeed is not installed"
     else:
-        out["deepspeed"] = ""  # imported (slowly) only inside the workers
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        ds, why = _import_optional("deepspeed")
+        out["deepspeed"] = "" if ds is not None else f"deepspeed not importable ({why})"
     zero3, why = _import_optional("z3kit_recipes.zero3")
     if zero3 is None:
         out["z3kit"] = f"z3kit_recipes.zero3 not importable ({why})"
@@ -261,13 +276,22 @@ class _FSDP2Runner:
         return None
 
 
-def deepspeed_config(batch_size: int, world: int) -> JSON:
-    """The DeepSpeed config used: ZeRO-3 defaults, fp32, torch.optim.Adam."""
+#: ZeRO-3 knobs given to both DeepSpeed and z3kit: DeepSpeed's defaults, except
+#: that every parameter is sharded (with the default persistence threshold of
+#: 1e5 elements, every parameter of the tiny workload would stay fully
+#: gathered on every rank, and resident memory would not be 1/N).
+DEFAULT_ZERO_CONFIG: JSON = {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+
+def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None) -> JSON:
+    """The DeepSpeed config used: the shared ZeRO-3 knobs, fp32, torch.optim.Adam."""
     return {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": batch_size * world,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": dict(zero if zero is not None else DEFAULT_ZERO_CONFIG),
+        # DeepSpeed (0.19.8 here) clips to norm 1.0 by default; the other runtimes do not clip.
+        "gradient_clipping": 0.0,
         "optimizer": {
             "type": "Adam",
             # torch_adam: torch.optim.Adam itself; adam_w_mode off: Adam, not AdamW.
@@ -284,7 +308,7 @@ class _DeepSpeedRunner:
         "parameters AVAILABLE or INFLIGHT (persistent small parameters included)"
     )
 
-    def __init__(self, wl: Workload, world: int) -> None:
+    def __init__(self, wl: Workload, world: int, zero: JSON) -> None:
         import logging
 
         ds: Any = importlib.import_module("deepspeed")
@@ -299,7 +323,7 @@ class _DeepSpeedRunner:
         engine, _, _, _ = ds.initialize(
             model=model,
             model_parameters=self._params,
-            config=deepspeed_config(wl.batch_size, world),
+            config=deepspeed_config(wl.batch_size, world, zero),
         )
         self.engine = engine
         ppc: Any = importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator")
@@ -403,7 +427,7 @@ def _find_collectives(tree: Any) -> dict[str, int] | None:
 class _Z3kitRunner:
     peak_method = "z3kit engine.stats()"
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup) -> None:
+    def __init__(self, wl: Workload, group: dist.ProcessGroup, zero: JSON) -> None:
         zero3: Any = importlib.import_module("z3kit_recipes.zero3")
         self.wl = wl
         model = wl.build_model()
@@ -412,7 +436,10 @@ class _Z3kitRunner:
             return torch.optim.Adam(params, lr=LR)
 
         self.engine: Any = zero3.initialize(
-            model, optimizer=make_optimizer, config=zero3.Zero3Config(), process_group=group
+            model,
+            optimizer=make_optimizer,
+            config=zero3.Zero3Config.from_deepspeed({"zero_optimization": zero}),
+            process_group=group,
         )
         self._last: JSON | None = None
         self._peak = 0
@@ -498,11 +525,17 @@ class RunSpec:
     tie_mode: TieMode
     runtime: RuntimeName
     world: int
-    #: threads per rank; DDP calibration runs once per entry, others take one.
+    #: candidate threads per rank; with more than one, a short trial of each
+    #: (``trial_steps`` timed steps) picks the fastest for the real run.
     threads: tuple[int, ...]
     steps: int
     warmup: int
     probe_steps: int
+    trial_steps: int
+    #: bytecode cache for the heavy lazy imports ('' for none).
+    pycache_dir: str
+    #: the ``zero_optimization`` section shared by DeepSpeed and z3kit
+    zero: JSON
     port: int
     out_path: str
 
@@ -513,39 +546,89 @@ def _build_runner(spec: RunSpec, wl: Workload, group: dist.ProcessGroup) -> _Run
     if spec.runtime == "fsdp2":
         return _FSDP2Runner(wl, group, spec.world)
     if spec.runtime == "deepspeed":
-        return _DeepSpeedRunner(wl, spec.world)
-    return _Z3kitRunner(wl, group)
+        return _DeepSpeedRunner(wl, spec.world, spec.zero)
+    return _Z3kitRunner(wl, group, spec.zero)
 
 
-def _measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, threads: int) -> JSON:
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (kineto prints a line at every profiler start/stop)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _profiled_step(runner: _Runner, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with _quiet_stderr():
+        prof.start()
+    try:
+        runner.step(x, y)
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    return _count_collectives(prof.events())
+
+
+def _measure(
+    spec: RunSpec,
+    rank: int,
+    group: dist.ProcessGroup,
+    *,
+    threads: int,
+    steps: int,
+    warmup: int,
+    probe_steps: int,
+    give_up_s: float | None = None,
+) -> JSON:
+    """Build, time ``steps`` steps after ``warmup``, probe; the summary on every rank.
+
+    With ``give_up_s`` (thread trials), the run stops as soon as a step after
+    the first takes longer than that on some rank; the slow step is then the
+    only one timed, and ``gave_up`` is set.
+    """
     torch.set_num_threads(threads)
     wl = make_workload(spec.workload, tie_mode=spec.tie_mode)
+    dist.barrier(group=group)
     t_build = time.perf_counter()
     runner = _build_runner(spec, wl, group)
     build_s = time.perf_counter() - t_build
 
     times: list[float] = []
     losses: list[float] = []
-    for step in range(spec.warmup + spec.steps):
+    gave_up = False
+    for step in range(warmup + steps):
         x, y = wl.batch(rank, step)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         loss = runner.step(x, y)
         dt = time.perf_counter() - t0
         losses.append(float(loss.item()))
-        if step >= spec.warmup:
+        if step >= warmup:
             times.append(dt)
+        if give_up_s is not None and step > 0:
+            slowest = torch.tensor([dt])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            if float(slowest) > give_up_s:
+                gave_up = True
+                times = [dt]
+                break
 
     # Instrumented, untimed steps: collectives and peak live gathered params.
     collectives: list[dict[str, int]] = []
     runner.start_probe()
     try:
-        for i in range(spec.probe_steps):
-            x, y = wl.batch(rank, spec.warmup + spec.steps + i)
+        for i in range(probe_steps):
+            x, y = wl.batch(rank, warmup + steps + i)
             dist.barrier(group=group)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                runner.step(x, y)
-            collectives.append(_count_collectives(prof.events()))
+            collectives.append(_profiled_step(runner, x, y))
             if isinstance(runner, _Z3kitRunner):
                 runner.after_probe_step()
     finally:
@@ -560,19 +643,20 @@ def _measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, threads: int) -
     }
     gathered: list[Any] = [None] * spec.world
     dist.all_gather_object(gathered, local, group=group)
-    if rank != 0:
-        return {}
 
-    step_times = [max(r["times"][i] for r in gathered) for i in range(spec.steps)]
+    timed = min(len(r["times"]) for r in gathered)
+    step_times = [max(r["times"][i] for r in gathered) for i in range(timed)]
     mean_losses = [
         statistics.fmean(r["losses"][i] for r in gathered) for i in range(len(losses))
     ]
     peaks = [r["peak"] for r in gathered]
-    per_step = collectives[-1] if collectives else {}
-    consistent = all(c == per_step for r in gathered for c in r["collectives"])
+    per_step = collectives[-1] if collectives else None
     result: JSON = {
         "status": "ok",
         "threads": threads,
+        "steps": timed,
+        "warmup": warmup,
+        "gave_up": gave_up,
         "median_s": statistics.median(step_times),
         "mean_s": statistics.fmean(step_times),
         "min_s": min(step_times),
@@ -585,8 +669,10 @@ def _measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, threads: int) -
         "peak_live_params_method": runner.peak_method,
         "total_params": sum(p.numel() for p in wl.build_model().parameters()),
         "collectives_per_step": per_step,
-        "collectives_consistent": consistent,
-        "collectives_method": "torch.profiler: top-level c10d:: ops per step, rank 0",
+        "collectives_same_every_step_and_rank": all(
+            c == per_step for r in gathered for c in r["collectives"]
+        ),
+        "collectives_method": "torch.profiler: top-level c10d:: ops dispatched in one step",
     }
     stats = runner.engine_stats()
     if stats is not None:
@@ -598,6 +684,7 @@ def _measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, threads: int) -
 
 
 def _worker(rank: int, spec: RunSpec) -> None:
+    _use_bytecode_cache(spec.pycache_dir)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(spec.port),
@@ -607,14 +694,34 @@ def _worker(rank: int, spec: RunSpec) -> None:
         LOCAL_WORLD_SIZE=str(spec.world),
     )
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # FSDP2 and DeepSpeed call the collectives torch 2.13 renamed; not ours to fix.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
     torch.set_num_threads(spec.threads[0])
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         group = dist.group.WORLD
         assert group is not None
-        results = [_measure(spec, rank, group, t) for t in spec.threads]
+        trials: dict[str, float] = {}
+        stopped: list[int] = []
+        best = spec.threads[0]
+        if len(spec.threads) > 1:
+            for t in spec.threads:
+                # A candidate 3x slower than the best so far is dropped early.
+                limit = 3 * min(trials.values()) if trials else None
+                trial = _measure(spec, rank, group, threads=t, steps=spec.trial_steps,
+                                 warmup=min(spec.warmup, 2), probe_steps=0, give_up_s=limit)
+                trials[str(t)] = trial["median_s"]
+                if trial["gave_up"]:
+                    stopped.append(t)
+            best = int(min(trials, key=lambda k: trials[k]))
+        result = _measure(spec, rank, group, threads=best, steps=spec.steps,
+                          warmup=spec.warmup, probe_steps=spec.probe_steps)
+        if trials:
+            result["threads_trials_median_s"] = trials
+            result["threads_trial_steps"] = spec.trial_steps
+            result["threads_trials_stopped_early"] = stopped
         if rank == 0:
-            Path(spec.out_path).write_text(json.dumps(results))
+            Path(spec.out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -625,31 +732,59 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(spec_args: dict[str, Any]) -> list[JSON]:
-    """Spawn ``world`` ranks for one run; each result, or one error result."""
+@contextlib.contextmanager
+def _omp_threads(threads: int) -> Iterator[None]:
+    """``OMP_NUM_THREADS`` for the spawned ranks, restored afterwards."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _use_bytecode_cache(pycache_dir: str) -> None:
+    """Cache bytecode under ``pycache_dir`` from now on in this process.
+
+    Under ``PYTHONDONTWRITEBYTECODE`` (which spawn passes on to children as
+    ``-B``) every rank recompiles torch._dynamo, sympy and DeepSpeed from
+    source when a runtime first imports them: 10-20 s of CPU per process on
+    2 cores. A private prefix writes nothing next to the sources. Left alone
+    when the user has a prefix of their own, or ``pycache_dir`` is empty.
+    """
+    if pycache_dir and sys.pycache_prefix is None:
+        sys.pycache_prefix = pycache_dir
+        sys.dont_write_bytecode = False
+
+
+def _launch(spec_args: dict[str, Any]) -> JSON:
+    """Spawn ``world`` ranks for one run; its result, or an error result."""
     fd, out_path = tempfile.mkstemp(prefix="z3bench-", suffix=".json")
     os.close(fd)
     spec = RunSpec(port=_free_port(), out_path=out_path, **spec_args)
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(spec.threads[0])
     t0 = time.perf_counter()
     try:
-        _spawn(_worker, args=(spec,), nprocs=spec.world, join=True)
-        results: list[JSON] = json.loads(Path(out_path).read_text())
+        with _omp_threads(spec.threads[0]):
+            _spawn(_worker, args=(spec,), nprocs=spec.world, join=True)
+        result: JSON = json.loads(Path(out_path).read_text())
     except Exception as exc:  # noqa: BLE001 - one runtime failing must not stop the rest
-        msg = str(exc).strip().splitlines()
-        results = [{"status": "error", "note": " | ".join(msg[-3:]) if msg else repr(exc),
-                    "error": str(exc)}]
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        result = {"status": "error", "note": lines[-1] if lines else repr(exc), "error": str(exc)}
     finally:
         Path(out_path).unlink(missing_ok=True)
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    wall = time.perf_counter() - t0
-    for r in results:
-        r["wall_s"] = wall
-    return results
+    result["wall_s"] = time.perf_counter() - t0
+    if result["status"] == "ok":
+        print(
+            f"    done in {result['wall_s']:.1f} s (setup {result['build_s']:.1f} s): "
+            f"median {result['median_s']:.4f} s/step at {result['threads']} thread(s)/rank",
+            flush=True,
+        )
+    else:
+        print(f"    failed after {result['wall_s']:.1f} s: {result['note']}", flush=True)
+    return result
 
 
 # --------------------------------------------------------------------------- #
@@ -682,7 +817,7 @@ def render_table(report: JSON) -> str:
     """The on-screen table for a finished report."""
     lines: list[str] = []
     header = (
-        f"{'workload':<8} {'runtime':<10} {'thr':>3} {'median s/step':>13} {'vs DDP':>7} "
+        f"{'workload':<8} {'runtime':<10} {'thr':>3} {'median s/step':>13} {'min':>7} {'vs DDP':>7} "
         f"{'peak live params':>16} {'total params':>12}  {'max|dloss| vs DDP':>17}  collectives/step"
     )
     for wl_name, wl in report["workloads"].items():
@@ -695,20 +830,37 @@ def render_table(report: JSON) -> str:
             ratio = r.get("ratio_vs_ddp")
             dloss = r.get("loss_max_abs_diff_vs_ddp")
             coll = r.get("engine_collectives_per_step", r.get("collectives_per_step"))
+            coll_txt = _fmt_coll(coll)
+            if "engine_collectives_per_step" in r and coll != r.get("collectives_per_step"):
+                coll_txt += f" [profiler: {_fmt_coll(r.get('collectives_per_step'))}]"
             lines.append(
-                f"{wl_name:<8} {rt_name:<10} {r['threads']:>3} {r['median_s']:>13.4f} "
+                f"{wl_name:<8} {rt_name:<10} {r['threads']:>3} {r['median_s']:>13.4f} {r['min_s']:>7.4f} "
                 f"{'n/a' if ratio is None else f'{ratio:.2f}x':>7} "
                 f"{_fmt_int(r.get('peak_live_params')):>16} {_fmt_int(r.get('total_params')):>12}  "
-                f"{'n/a' if dloss is None else f'{dloss:.2e}':>17}  {_fmt_coll(coll)}"
+                f"{'n/a' if dloss is None else f'{dloss:.2e}':>17}  {coll_txt}"
             )
         cal = wl.get("ddp_threads_calibration")
         if cal:
             lines.append(
                 "  DDP threads/rank calibration (median s/step): "
-                + ", ".join(f"{t}: {s:.4f}" for t, s in cal.items())
-                + f" -> {wl['threads']}"
+                + ", ".join(
+                    f"{t}: {s:.4f}"
+                    + (" (stopped: >3x slower)" if int(t) in wl.get("ddp_threads_stopped_early", []) else "")
+                    for t, s in cal.items()
+                )
+                + f" ({wl['runtimes']['ddp'].get('threads_trial_steps')} steps each)"
+                + f" -> {wl['threads']} for every runtime"
             )
         lines.append("")
+    lines += [
+        "median s/step: slowest rank per step, median over the measured steps (warm-up excluded);",
+        "  min: the fastest such step (less sensitive to other load on the machine).",
+        "peak live params: gathered parameter elements at once on a rank; DDP: its full replica;",
+        "  FSDP2/DeepSpeed: sampled at every gather (JSON: *_method); z3kit: engine.stats().",
+        "collectives/step: z3kit from its engine log; others: c10d ops seen by torch.profiler",
+        "  (AG all-gather, RS reduce-scatter, AR all-reduce, BC broadcast).",
+        "max|dloss| vs DDP: largest difference of the rank-averaged loss over all steps.",
+    ]
     return "\n".join(lines)
 
 
@@ -733,6 +885,23 @@ def _parse_threads(text: str) -> int | None:
     return n
 
 
+def _parse_zero_config(text: str) -> JSON:
+    try:
+        zero = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--zero-config is not JSON: {exc}") from None
+    if not isinstance(zero, dict) or zero.get("stage", 3) != 3:
+        raise argparse.ArgumentTypeError("--zero-config is a JSON object for ZeRO stage 3")
+    zero = {"stage": 3, **zero}
+    try:  # refuse what z3kit would refuse, before any process starts
+        from z3kit_recipes.zero3 import Zero3Config
+
+        Zero3Config.from_deepspeed({"zero_optimization": zero})
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return zero
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m z3kit_recipes.bench",
@@ -752,7 +921,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads per rank, or 'auto' (default): fastest for DDP")
     p.add_argument("--tie-mode", choices=TIE_MODES, default="hf",
                    help="GPT's tied embedding: hf (lm_head module) or functional (F.linear)")
-    p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report path")
+    p.add_argument("--trial-steps", type=int, default=8,
+                   help="timed steps of each DDP thread-count trial under --threads auto")
+    p.add_argument("--pycache-dir", default=os.path.join(tempfile.gettempdir(), "z3kit-bench-pycache"),
+                   help="bytecode cache (sys.pycache_prefix) for the spawned ranks' lazy imports "
+                        "(default %(default)s); '' to leave the interpreter's setting alone")
+    p.add_argument("--zero-config", type=_parse_zero_config, default=DEFAULT_ZERO_CONFIG,
+                   help="JSON of the zero_optimization section given to DeepSpeed and z3kit alike "
+                        f"(default: {json.dumps(DEFAULT_ZERO_CONFIG)}; '{{\"stage\": 3}}' for DeepSpeed's defaults)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="JSON report path")
     return p
 
 
@@ -785,10 +962,16 @@ def run(args: argparse.Namespace) -> JSON:
             "dtype": "float32",
             "tie_mode": args.tie_mode,
             "probe_steps": args.probe_steps,
-            "deepspeed_config": deepspeed_config(0, world) if ds_version else None,
+            "zero_optimization": args.zero_config,
+            "deepspeed_config": deepspeed_config(0, world, args.zero_config) if ds_version else None,
         },
         "workloads": {},
     }
+    load = os.getloadavg()[0]
+    report["meta"]["loadavg_1min_start"] = load
+    if load > 0.5:
+        print(f"note: 1-min load average is {load:.1f} on {cores} cores before the first run; "
+              "other processes compete for the CPUs and the timings will show it", flush=True)
     t_all = time.perf_counter()
     for wl_name in workloads:
         steps = args.steps if args.steps is not None else DEFAULT_STEPS[wl_name]
@@ -798,24 +981,21 @@ def run(args: argparse.Namespace) -> JSON:
         common: dict[str, Any] = dict(
             workload=wl_name, tie_mode=args.tie_mode, world=world, steps=steps,
             warmup=warmup, probe_steps=max(1, args.probe_steps),
+            trial_steps=min(steps, args.trial_steps), pycache_dir=args.pycache_dir,
+            zero=args.zero_config,
         )
         wl_report: JSON = {"steps": steps, "warmup": warmup, "runtimes": {}}
         report["workloads"][wl_name] = wl_report
 
         cands = (args.threads,) if args.threads is not None else thread_candidates(world, cores)
-        print(f"[{wl_name}] ddp (threads/rank {', '.join(map(str, cands))}) ...", flush=True)
-        ddp_runs = _launch(dict(common, runtime="ddp", threads=cands))
-        ok = [r for r in ddp_runs if r["status"] == "ok"]
-        if not ok:
-            wl_report["runtimes"]["ddp"] = ddp_runs[0]
-            wl_report["threads"] = cands[0]
-            print(f"[{wl_name}] ddp failed: {ddp_runs[0].get('note')}", flush=True)
-        else:
-            best = min(ok, key=lambda r: float(r["median_s"]))
-            wl_report["ddp_threads_calibration"] = {str(r["threads"]): r["median_s"] for r in ok}
-            wl_report["threads"] = best["threads"]
-            wl_report["runtimes"]["ddp"] = best
-        threads: int = wl_report["threads"]
+        print(f"[{wl_name}] ddp (threads/rank: {', '.join(map(str, cands))}) ...", flush=True)
+        ddp = _launch(dict(common, runtime="ddp", threads=cands))
+        wl_report["runtimes"]["ddp"] = ddp
+        threads: int = ddp["threads"] if ddp["status"] == "ok" else cands[0]
+        wl_report["threads"] = threads
+        if "threads_trials_median_s" in ddp:
+            wl_report["ddp_threads_calibration"] = ddp["threads_trials_median_s"]
+            wl_report["ddp_threads_stopped_early"] = ddp["threads_trials_stopped_early"]
 
         for rt in requested:
             if rt == "ddp":
@@ -823,8 +1003,8 @@ def run(args: argparse.Namespace) -> JSON:
             if avail.get(rt):
                 wl_report["runtimes"][rt] = {"status": "skipped", "note": avail[rt]}
                 continue
-            print(f"[{wl_name}] {rt} (threads/rank {threads}) ...", flush=True)
-            wl_report["runtimes"][rt] = _launch(dict(common, runtime=rt, threads=(threads,)))[0]
+            print(f"[{wl_name}] {rt} (threads/rank: {threads}) ...", flush=True)
+            wl_report["runtimes"][rt] = _launch(dict(common, runtime=rt, threads=(threads,)))
 
         base = wl_report["runtimes"]["ddp"]
         for r in wl_report["runtimes"].values():
@@ -836,16 +1016,23 @@ def run(args: argparse.Namespace) -> JSON:
             if any(math.isnan(v) for v in r["losses"]):
                 r["loss_max_abs_diff_vs_ddp"] = float("nan")
     report["meta"]["total_wall_s"] = time.perf_counter() - t_all
+    report["meta"]["loadavg_1min_end"] = os.getloadavg()[0]
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _use_bytecode_cache(args.pycache_dir)
     report = run(args)
     print()
-    print(render_table(report))
-    print(f"total {report['meta']['total_wall_s']:.1f} s; report written to {args.out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(render_table(report))
+    meta = report["meta"]
+    print(
+        f"total {meta['total_wall_s']:.1f} s; 1-min load average {meta['loadavg_1min_start']:.1f} "
+        f"at the start, {meta['loadavg_1min_end']:.1f} at the end; report written to {args.out}"
+    )
     return 0
 
 

@@ -1,0 +1,176 @@
+"""Quick checks of the reference models and workloads (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from z3kit_recipes.models import (
+    GPT,
+    Block,
+    GPTConfig,
+    GPTWorkload,
+    TinyBlock,
+    TinyMLP,
+    TinyWorkload,
+    Workload,
+    make_workload,
+)
+
+SMALL = GPTConfig(vocab_size=64, width=32, n_layer=2, n_head=4, seq_len=16)
+
+
+def test_tiny_mlp_builds_and_forwards() -> None:
+    model = TinyMLP(depth=96, width=32)
+    blocks = [m for m in model.modules() if isinstance(m, TinyBlock)]
+    assert len(blocks) == 96
+    assert sum(p.numel() for p in model.parameters()) == 96 * (32 * 32 + 32)
+    out = model(torch.randn(8, 32))
+    assert out.shape == (8, 32)
+    assert out.abs().max() <= 1.0  # tanh output
+
+
+def test_tiny_mlp_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="depth"):
+        TinyMLP(depth=0)
+    with pytest.raises(ValueError, match="width"):
+        TinyMLP(width=-1)
+
+
+def test_gpt_default_config_matches_the_benchmark() -> None:
+    cfg = GPTConfig()
+    assert (cfg.vocab_size, cfg.width, cfg.n_layer, cfg.n_head, cfg.seq_len) == (4096, 256, 8, 4, 64)
+    assert cfg.tie_mode == "hf"
+    assert cfg.head_dim == 64
+
+
+@pytest.mark.parametrize("tie_mode", ["hf", "functional"])
+def test_gpt_forward_shape(tie_mode: str) -> None:
+    model = GPT(GPTConfig(vocab_size=64, width=32, n_layer=2, n_head=4, seq_len=16, tie_mode=tie_mode))  # type: ignore[arg-type]
+    idx = torch.randint(0, 64, (3, 10))
+    logits = model(idx)
+    assert logits.shape == (3, 10, 64)
+    assert len([m for m in model.modules() if isinstance(m, Block)]) == 2
+
+
+def test_gpt_hf_tie_is_one_parameter_object() -> None:
+    model = GPT(SMALL)
+    assert model.lm_head is not None
+    assert model.lm_head.weight is model.tok_emb.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "tok_emb.weight" in names and "lm_head.weight" not in names  # counted once
+    # A gradient step on the shared weight is seen by both users.
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert model.tok_emb.weight.grad is not None
+
+
+def test_gpt_functional_tie_has_no_lm_head_and_same_logits() -> None:
+    hf = GPT(SMALL)
+    fn = GPT(GPTConfig(vocab_size=64, width=32, n_layer=2, n_head=4, seq_len=16, tie_mode="functional"))
+    assert fn.lm_head is None
+    fn.load_state_dict({k: v for k, v in hf.state_dict().items() if not k.startswith("lm_head")})
+    idx = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(fn(idx), hf(idx))
+    assert hf.num_parameters() == fn.num_parameters()
+
+
+def test_gpt_is_causal() -> None:
+    model = GPT(SMALL)
+    idx = torch.randint(0, 64, (1, 12))
+    changed = idx.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 64
+    torch.testing.assert_close(model(idx)[:, :8], model(changed)[:, :8])
+
+
+def test_gpt_rejects_too_long_sequences() -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        GPT(SMALL)(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_generate_shape_and_range(top_k: int | None) -> None:
+    model = GPT(SMALL)
+    model.train()
+    idx = torch.randint(0, 64, (2, 4))
+    gen = torch.Generator().manual_seed(0)
+    out = model.generate(idx, max_new_tokens=20, temperature=0.8, top_k=top_k, generator=gen)
+    assert out.shape == (2, 24)  # runs past seq_len: the context is cropped
+    assert torch.equal(out[:, :4], idx)
+    assert int(out.min()) >= 0 and int(out.max()) < 64
+    assert model.training  # mode restored
+
+
+def test_generate_greedy_is_deterministic() -> None:
+    model = GPT(SMALL)
+    idx = torch.randint(0, 64, (1, 3))
+    a = model.generate(idx, max_new_tokens=5, temperature=0.0)
+    b = model.generate(idx, max_new_tokens=5, temperature=0.0)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"width": -8}, "width"),
+        ({"n_layer": 0}, "n_layer"),
+        ({"n_head": 0}, "n_head"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"width": 30, "n_head": 4}, "n_head"),
+        ({"tie_mode": "untied"}, "tie_mode"),
+    ],
+)
+def test_gpt_config_rejects_bad_values(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GPTConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_gpt_config_rejects_non_int_sizes() -> None:
+    with pytest.raises(TypeError, match="width"):
+        GPTConfig(width=256.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="n_layer"):
+        GPTConfig(n_layer=True)
+
+
+def test_gpt_config_is_frozen() -> None:
+    cfg = GPTConfig()
+    with pytest.raises(AttributeError):
+        cfg.width = 128  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt"])
+def test_workloads_are_seeded(name: str) -> None:
+    wl = make_workload(name)
+    assert isinstance(wl, Workload)
+    a, b = wl.build_model(), wl.build_model()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    x0, y0 = wl.batch(rank=0, step=3)
+    x0b, _ = wl.batch(rank=0, step=3)
+    x1, _ = wl.batch(rank=1, step=3)
+    x2, _ = wl.batch(rank=0, step=4)
+    assert torch.equal(x0, x0b)
+    assert not torch.equal(x0, x1) and not torch.equal(x0, x2)
+    loss = wl.loss(a(x0), y0)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert len(wl.blocks(a)) == (96 if name == "tiny" else 8)
+
+
+def test_workload_seeding_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    TinyWorkload().build_model()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_gpt_workload_targets_are_shifted_inputs() -> None:
+    wl = GPTWorkload()
+    x, y = wl.batch(rank=0, step=0)
+    assert x.shape == y.shape == (4, 64)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_make_workload_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("huge")
