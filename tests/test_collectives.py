@@ -219,3 +219,26 @@ def test_collective_log_counts_per_kind() -> None:
     assert snap["all_reduce"] == {"calls": 0, "bytes": 0}, "a snapshot is a copy"
     # two logs never share counters
     assert CollectiveLog().total_calls() == 0
+
+
+def _large_gather_worker(ctx: WorkerContext, async_op: bool) -> dict[str, Any]:
+    from z3kit.collectives import GLOO_BROADCAST_GATHER_MIN_NUMEL
+
+    n = GLOO_BROADCAST_GATHER_MIN_NUMEL + 3  # large enough for the broadcast path on gloo
+    log = CollectiveLog()
+    inp = _values(ctx.rank, n, salt=7)
+    out = torch.empty(ctx.world * n)
+    pending = all_gather(out, inp, ctx.group, async_op=async_op, log=log)
+    pending.wait()
+    expected = torch.cat([_values(r, n, salt=7) for r in range(ctx.world)])
+    return {"equal": torch.equal(out, expected), "done": pending.done, "log": log.snapshot()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_large_gloo_gather_runs_as_broadcasts(pools: PoolSet, world: int, async_op: bool) -> None:
+    for r in pools.run(world, _large_gather_worker, async_op):
+        assert r["equal"] and r["done"]
+        # one broadcast from every rank, each logged as what it is
+        assert r["log"]["broadcast"]["calls"] == world
+        assert r["log"]["all_gather"]["calls"] == 0

@@ -70,10 +70,11 @@ class Pending:
     follow-up.
     """
 
-    __slots__ = ("_work", "_then", "_done")
+    __slots__ = ("_works", "_then", "_done")
 
     def __init__(self, work: Any | None, then: Callable[[], None] | None = None) -> None:
-        self._work = work
+        # one work handle, or a list of them (a collective made of several calls)
+        self._works: list[Any] = [] if work is None else list(work) if isinstance(work, list) else [work]
         self._then = then
         self._done = False
 
@@ -83,13 +84,13 @@ class Pending:
 
     def is_completed(self) -> bool:
         """True once the collective finished (``wait`` will not block)."""
-        return self._done or self._work is None or bool(self._work.is_completed())
+        return self._done or all(bool(w.is_completed()) for w in self._works)
 
     def wait(self) -> None:
         if self._done:
             return
-        if self._work is not None:
-            self._work.wait()
+        for work in self._works:
+            work.wait()
         self._done = True
         if self._then is not None:
             self._then()
@@ -139,6 +140,32 @@ def _scaler(tensor: torch.Tensor, scale: float) -> Callable[[], None] | None:
     return apply
 
 
+#: per-rank elements from which gloo all-gathers run as broadcasts (see the Note below)
+GLOO_BROADCAST_GATHER_MIN_NUMEL = 262_144
+
+
+def _gather_by_broadcasts(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, world: int, async_op: bool, log: CollectiveLog | None
+) -> list[Any]:
+    """Note: gloo all-gather as broadcasts.
+    gloo's all-gather moves large tensors two to three times slower than
+    one broadcast from each rank into its chunk of the output (measured
+    here, fp32, loopback: 3.7M elements per rank took 35 ms against 15 ms at
+    world 2, 166 ms against 57 ms at world 4). Below a quarter million
+    elements per rank the count of calls (about 0.4 ms each) matters more,
+    and the single all-gather is kept. Each broadcast is logged as such."""
+    rank = dist.get_rank(group)
+    n = input.numel()
+    chunks = output.view(world, n)
+    chunks[rank].copy_(input)
+    works = []
+    for src in range(world):
+        if log is not None:
+            log.record(CollectiveKind.BROADCAST, n * input.element_size())
+        works.append(dist.broadcast(chunks[src], group_src=src, group=group, async_op=async_op))
+    return works
+
+
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -156,9 +183,12 @@ def all_gather(
             f"all_gather output has {output.numel()} elements; expected world_size ({world}) x "
             f"input ({input.numel()}) = {world * input.numel()}"
         )
-    if log is not None:
-        log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
-    work = _all_gather_single(output, input, group=group, async_op=async_op)
+    if world > 1 and input.numel() >= GLOO_BROADCAST_GATHER_MIN_NUMEL and dist.get_backend(group) == "gloo":
+        work: Any = _gather_by_broadcasts(output, input, group, world, async_op, log)
+    else:
+        if log is not None:
+            log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
     pending = Pending(work if async_op else None)
     if not async_op:
         pending.wait()  # like the reductions: a synchronous call returns a done handle
