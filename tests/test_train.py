@@ -1,0 +1,314 @@
+"""The training command ``python -m z3kit_recipes.train``: corpus, config,
+options, and a short end-to-end run on 2 spawned gloo ranks."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from z3kit_recipes import train
+from z3kit_recipes.models import GPT, GPTConfig
+from z3kit_recipes.zero3.config import Zero3Config
+
+SMALL_CORPUS = 200_000
+
+
+# --------------------------------------------------------------------------- #
+# Corpus, vocabulary, batches
+# --------------------------------------------------------------------------- #
+
+
+def test_corpus_is_deterministic_and_nonempty() -> None:
+    files = train.corpus_files()
+    assert files, "the standard library has .py files"
+    rel = [p.relative_to(train.stdlib_root()).as_posix() for p in files]
+    assert rel == sorted(rel)
+    assert not any(part in train._SKIPPED_DIRS for r in rel for part in r.split("/")[:-1])
+
+    a = train.load_corpus(SMALL_CORPUS)
+    b = train.load_corpus(SMALL_CORPUS)
+    assert a == b and a.digest == b.digest
+    assert len(a.text) == SMALL_CORPUS and a.files > 0
+    assert "def " in a.text and "import " in a.text
+    # a longer corpus starts with the shorter one
+    assert train.load_corpus(2 * SMALL_CORPUS).text.startswith(a.text)
+
+
+def test_corpus_rejects_empty_sources(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no readable"):
+        train.load_corpus(1000, root=tmp_path)
+    with pytest.raises(ValueError, match="max_chars"):
+        train.load_corpus(0)
+
+
+def test_vocab_round_trip() -> None:
+    text = train.load_corpus(50_000).text
+    vocab = train.CharVocab.from_text(text)
+    assert list(vocab.chars) == sorted(set(text))
+    ids = vocab.encode(text)
+    assert ids.dtype == torch.int64 and ids.numel() == len(text)
+    assert int(ids.min()) >= 0 and int(ids.max()) < len(vocab)
+    assert vocab.decode(ids) == text
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        vocab.encode("\u2603")
+    assert vocab.encode("").numel() == 0
+
+
+def test_batches_are_seeded_by_rank_and_step() -> None:
+    data = torch.arange(1000) % 97
+    x, y = train.sample_batch(data, 4, 16, seed=0, rank=0, step=3)
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next characters
+    again, _ = train.sample_batch(data, 4, 16, seed=0, rank=0, step=3)
+    assert torch.equal(x, again)
+    other_rank, _ = train.sample_batch(data, 4, 16, seed=0, rank=1, step=3)
+    other_step, _ = train.sample_batch(data, 4, 16, seed=0, rank=0, step=4)
+    assert not torch.equal(x, other_rank) and not torch.equal(x, other_step)
+    with pytest.raises(ValueError, match="shorter than one sequence"):
+        train.sample_batch(data[:10], 1, 16, seed=0, rank=0, step=0)
+
+
+def test_lr_schedule_warms_up_and_decays() -> None:
+    lrs = [train._lr_at(s, 200, 1.0) for s in range(200)]
+    assert lrs[0] < lrs[5] <= 1.0
+    assert max(lrs) == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1, abs=0.01)
+    assert all(0.0 < lr <= 1.0 for lr in lrs)
+
+
+# --------------------------------------------------------------------------- #
+# Configuration
+# --------------------------------------------------------------------------- #
+
+MODEL = GPTConfig(vocab_size=96, width=64, n_layer=2, n_head=2, seq_len=32)
+
+
+def _write(tmp_path: Path, name: str, obj: object) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def test_auto_sizes_fit_the_model() -> None:
+    auto = train.auto_sizes(MODEL)
+    model = GPT(MODEL)
+    assert train.block_numel(MODEL.width) == sum(p.numel() for p in model.blocks[0].parameters())
+    assert auto["param_persistence_threshold"] == 10 * MODEL.width
+    assert auto["max_live_parameters"] == 2 * auto["prefetch_bucket_size"]
+    assert attrs.asdict(train.load_config(None, MODEL)) == {**attrs.asdict(Zero3Config()), **auto}
+
+
+def test_deepspeed_config_with_auto_sizes(tmp_path: Path) -> None:
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "reduce_bucket_size": 5e4,
+            "overlap_comm": False,
+        },
+    }
+    config = train.load_config(_write(tmp_path, "ds.json", ds), MODEL)
+    auto = train.auto_sizes(MODEL)
+    assert config.prefetch_bucket_size == auto["prefetch_bucket_size"]
+    assert config.param_persistence_threshold == auto["param_persistence_threshold"]
+    assert config.reduce_bucket_size == 50_000
+    assert config.overlap_comm is False and config.gradient_clipping == 1.0
+    assert config.compute_dtype == "bf16"
+    # knobs the file leaves out keep DeepSpeed's defaults
+    assert config.max_live_parameters == Zero3Config().max_live_parameters
+    # --dtype overrides the file
+    assert train.load_config(_write(tmp_path, "ds.json", ds), MODEL, "fp32").compute_dtype == "fp32"
+
+
+def test_z3kit_config(tmp_path: Path) -> None:
+    config = train.load_config(_write(tmp_path, "z.json", {"max_live_parameters": 1234, "overlap_comm": False}), MODEL)
+    assert config.max_live_parameters == 1234 and config.overlap_comm is False
+    assert config.prefetch_bucket_size == Zero3Config().prefetch_bucket_size
+    assert train.load_config(_write(tmp_path, "empty.json", {}), MODEL) == Zero3Config()
+    assert train.load_config(_write(tmp_path, "empty.json", {}), MODEL, "bf16").compute_dtype == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("obj", "error", "match"),
+    [
+        ({"stage3_prefetch_bucket_size": 10}, ValueError, "unknown z3kit config keys.*stage3_prefetch_bucket_size"),
+        ({"max_live_parameters": -1}, ValueError, "max_live_parameters"),
+        ({"overlap_comm": "yes"}, TypeError, "overlap_comm"),
+        ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}, ValueError, "optimizer"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {}}}, ValueError, "offload_param"),
+        ({"zero_optimization": {"stage": 2}}, ValueError, "stage 3"),
+        ([1, 2], TypeError, "JSON object"),
+    ],
+)
+def test_bad_configs_are_rejected(tmp_path: Path, obj: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        train.load_config(_write(tmp_path, "bad.json", obj), MODEL)
+
+
+def test_config_that_is_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        train.load_config(path, MODEL)
+
+
+def test_main_refuses_a_bad_config_before_spawning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "bad.json", {"no_such_knob": 1})
+    assert train.main(["--config", str(path), "--out", str(tmp_path / "out"), "--corpus-chars", "50000"]) == 2
+    assert "no_such_knob" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- #
+# Options
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--steps", "0"],
+        ["--steps", "ten"],
+        ["--nproc", "0"],
+        ["--batch-size", "-2"],
+        ["--lr", "0"],
+        ["--lr", "nan"],
+        ["--lr", "fast"],
+        ["--model-size", "huge"],
+        ["--dtype", "fp16"],
+        ["--width", "30", "--heads", "4"],
+        ["--sample-chars", "-1"],
+        ["--corpus-chars", "10"],
+        ["--config", "/no/such/config.json"],
+        ["--prompt", ""],
+        ["--no-such-option"],
+    ],
+)
+def test_parser_rejects_bad_values(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_parser_defaults_and_overrides() -> None:
+    args = train.parse_args([])
+    assert (args.nproc, args.steps, args.model_size, args.lr) == (2, train.DEFAULT_STEPS, "small", train.DEFAULT_LR)
+    cfg = train.model_config_from_args(args, 50)
+    assert (cfg.width, cfg.n_layer, cfg.n_head, cfg.seq_len) == train.MODEL_SIZES["small"]
+    args = train.parse_args(["--model-size", "tiny", "--width", "48", "--seq-len", "16"])
+    cfg = train.model_config_from_args(args, 50)
+    tiny = train.MODEL_SIZES["tiny"]
+    assert (cfg.width, cfg.n_layer, cfg.n_head, cfg.seq_len) == (48, tiny[1], tiny[2], 16)
+
+
+# --------------------------------------------------------------------------- #
+# End to end
+# --------------------------------------------------------------------------- #
+
+
+def test_end_to_end_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    steps = 6
+    argv = [
+        "--nproc", "2", "--steps", str(steps), "--model-size", "tiny", "--plot", "--profile",
+        "--sample-chars", "40", "--corpus-chars", str(SMALL_CORPUS), "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert train.main(argv) == 0
+    printed = capfd.readouterr().out  # the ranks print, not this process
+    assert "loss" in printed and "collectives" in printed and "sample:" in printed
+
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["world"] == 2 and s["backend"] == "gloo"
+    assert s["training"]["steps"] == steps
+    assert math.isfinite(s["loss"]["start"]) and math.isfinite(s["loss"]["end"])
+    assert 0 < s["loss"]["end"] < 2 * math.log(s["corpus"]["vocab_size"])
+
+    model_numel = s["memory"]["model_numel"]
+    vocab = s["corpus"]["vocab_size"]
+    tiny = train.MODEL_SIZES["tiny"]
+    model = GPT(GPTConfig(vocab_size=vocab, width=tiny[0], n_layer=tiny[1], n_head=tiny[2], seq_len=tiny[3]))
+    assert model_numel == model.num_parameters()
+    n_params = len(list(model.parameters()))
+    for r in s["memory"]["per_rank"]:
+        # a half of every parameter, each padded by less than one element per rank
+        assert model_numel / 2 <= r["param_shard_numel"] <= model_numel / 2 + n_params
+        assert r["grad_partition_numel"] == r["param_shard_numel"]
+        assert r["master_numel"] == 0  # fp32: the shards are the masters
+        assert r["optimizer_state_numel"] >= 2 * r["param_shard_numel"]  # AdamW's two moments
+
+    live = s["live"]
+    assert 0 < live["peak_live_numel"] <= live["max_live_parameters"] + live["largest_fetch_numel"]
+    assert live["peak_live_numel"] < model_numel  # sharding shows: never the whole model at once
+    assert s["collective_calls_per_step"] > 0 and s["collective_bytes_per_step"] > 0
+    assert "all_gather" in s["collectives_per_step"]
+    assert 0.0 <= s["comm_wait"]["share"] <= 1.0
+    assert s["trace"]["invalidations"] >= 0
+    assert s["timeline"]["events"] > 0 and s["timeline"]["demand_gathers"] >= 0
+    assert s["sample"]["text"].startswith(train.DEFAULT_PROMPT)
+    assert len(s["sample"]["text"]) == len(train.DEFAULT_PROMPT) + 40
+
+    with (tmp_path / "loss_history.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == steps and set(rows[0]) >= {"step", "lr", "loss_mean", "loss_rank0", "loss_rank1"}
+
+    for png in ("loss.png", "live_params.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+    for r in range(2):
+        trace = (tmp_path / f"trace_rank{r}.json").read_text()
+        assert "z3kit.fetch" in trace and "z3kit.release" in trace and "z3kit.reduce_bucket" in trace
+        json.loads(trace)  # loadable by Perfetto / chrome://tracing
+    labels = s["profile"]["labels_rank0"]
+    assert labels["z3kit.fetch"] > 0 and labels["z3kit.reduce_bucket"] > 0
+    assert set(s["files"]) >= {"summary.json", "loss_history.csv", "loss.png", "live_params.png", "trace_rank0.json"}
+
+
+def test_profile_window() -> None:
+    assert train._profile_window(1) == (-1, -1)
+    assert train._profile_window(2) == (1, 2)
+    assert train._profile_window(6) == (2, 2 + train.PROFILE_STEPS)
+    first, end = train._profile_window(400)
+    assert end - first == train.PROFILE_STEPS and end < 400
+
+
+def test_missing_cli_extra_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.import_module
+
+    def no_matplotlib(name: str, package: str | None = None) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_matplotlib)
+    assert train.main(["--plot", "--corpus-chars", "50000"]) == 2
+    assert "z3kit[cli]" in capsys.readouterr().err
+
+
+def test_torchrun_launch_runs_in_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With torchrun's variables set, main() trains in the calling process
+    (here one gloo rank on the CPU) and picks ./runs/<timestamp> itself."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(train._free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--steps", "3", "--model-size", "tiny", "--sample-chars", "0", "--corpus-chars", "50000"]) == 0
+    assert not torch.distributed.is_initialized()
+    (run,) = (tmp_path / "runs").iterdir()
+    s = json.loads((run / "summary.json").read_text())
+    assert s["world"] == 1 and s["backend"] == "gloo" and s["training"]["steps"] == 3
+    r0 = s["memory"]["per_rank"][0]
+    assert r0["param_shard_numel"] == s["memory"]["model_numel"]  # one rank holds everything
+    assert "loss" in capsys.readouterr().out
