@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +25,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import attrs
+
+from z3kit_recipes.launch import free_port
 
 
 @attrs.frozen
@@ -39,12 +40,6 @@ class WorkerContext:
 
 class RankFailure(AssertionError):
     """One or more ranks raised; the message holds their tracebacks."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, conn: Connection) -> None:
@@ -85,7 +80,7 @@ class DistPool:
     def __init__(self, world: int, start_timeout: float = 180.0) -> None:
         self.world = world
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(world):

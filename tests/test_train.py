@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from z3kit_recipes import train
+from z3kit_recipes.launch import free_port
 from z3kit_recipes.models import GPT, GPTConfig
 from z3kit_recipes.zero3.config import Zero3Config
 
@@ -301,7 +302,7 @@ def test_torchrun_launch_runs_in_this_process(
     """With torchrun's variables set, main() trains in the calling process
     (here one gloo rank on the CPU) and picks ./runs/<timestamp> itself."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(train._free_port())}.items():  # fmt: skip
+                       "MASTER_PORT": str(free_port())}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     assert train.main(["--steps", "3", "--model-size", "tiny", "--sample-chars", "0", "--corpus-chars", "50000"]) == 0

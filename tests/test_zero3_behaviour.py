@@ -773,3 +773,34 @@ def test_forward_error_leaves_engine_usable(bad_inputs: list[dict[str, Any]]) ->
         assert r["gathered_after_error"] == 0
         _assert_error(r["backward_error"], "ValueError", "does not require grad")
         assert_pair([r["pair"]])
+
+
+def run_forward_on_one_rank_inside_gathered(ctx: Any) -> dict[str, Any]:
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    config = zero3.Zero3Config(param_persistence_threshold=0)
+    engine = zero3.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config, ctx.group)
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+    calls_before = engine.log.total_calls()
+    out = None
+    with engine.gathered_parameters():
+        if ctx.rank == 0:  # the other ranks do not join: this must need no collective
+            with torch.no_grad():
+                out = engine(x)
+    expected = torch.nn.functional.linear(
+        torch.tanh(torch.nn.functional.linear(x, reference[0], reference[1])), reference[2], reference[3]
+    )
+    return {
+        "calls_inside": engine.log.total_calls() - calls_before,
+        "close": out is None or torch.allclose(out, expected),
+        "gathered_after": engine.gathered_numel(),
+    }
+
+
+def test_gathered_parameters_pins_for_a_forward_on_one_rank(pools: Any) -> None:
+    for r in pools.run(2, run_forward_on_one_rank_inside_gathered):
+        assert r["calls_inside"] == 1  # the block's one coalesced gather; rank 0's forward adds none
+        assert r["close"] and r["gathered_after"] == 0

@@ -45,7 +45,7 @@ runtime of that workload uses the same number. On 2 cores with 2 ranks, 1
 thread per rank wins by far: 2 threads per rank oversubscribe the cores.
 
 Spawned ranks cache bytecode under ``--pycache-dir`` (see
-``_use_bytecode_cache``), so that the heavy lazy imports are compiled once
+``z3kit_recipes.launch.use_bytecode_cache``), so that the heavy lazy imports are compiled once
 rather than in every rank of every run when ``PYTHONDONTWRITEBYTECODE`` is set.
 
 DeepSpeed is optional: it is skipped with a note when not importable. Its
@@ -65,7 +65,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -82,6 +81,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from z3kit_recipes.launch import PYCACHE_DIR, free_port, use_bytecode_cache
 from z3kit_recipes.models import TIE_MODES, WORKLOAD_NAMES, TieMode, Workload, make_workload
 
 RuntimeName = Literal["ddp", "fsdp2", "deepspeed", "z3kit"]
@@ -684,7 +684,7 @@ def _measure(
 
 
 def _worker(rank: int, spec: RunSpec) -> None:
-    _use_bytecode_cache(spec.pycache_dir)
+    use_bytecode_cache(spec.pycache_dir)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(spec.port),
@@ -726,12 +726,6 @@ def _worker(rank: int, spec: RunSpec) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _omp_threads(threads: int) -> Iterator[None]:
     """``OMP_NUM_THREADS`` for the spawned ranks, restored afterwards."""
@@ -746,25 +740,11 @@ def _omp_threads(threads: int) -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def _use_bytecode_cache(pycache_dir: str) -> None:
-    """Cache bytecode under ``pycache_dir`` from now on in this process.
-
-    Under ``PYTHONDONTWRITEBYTECODE`` (which spawn passes on to children as
-    ``-B``) every rank recompiles torch._dynamo, sympy and DeepSpeed from
-    source when a runtime first imports them: 10-20 s of CPU per process on
-    2 cores. A private prefix writes nothing next to the sources. Left alone
-    when the user has a prefix of their own, or ``pycache_dir`` is empty.
-    """
-    if pycache_dir and sys.pycache_prefix is None:
-        sys.pycache_prefix = pycache_dir
-        sys.dont_write_bytecode = False
-
-
 def _launch(spec_args: dict[str, Any]) -> JSON:
     """Spawn ``world`` ranks for one run; its result, or an error result."""
     fd, out_path = tempfile.mkstemp(prefix="z3bench-", suffix=".json")
     os.close(fd)
-    spec = RunSpec(port=_free_port(), out_path=out_path, **spec_args)
+    spec = RunSpec(port=free_port(), out_path=out_path, **spec_args)
     t0 = time.perf_counter()
     try:
         with _omp_threads(spec.threads[0]):
@@ -923,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPT's tied embedding: hf (lm_head module) or functional (F.linear)")
     p.add_argument("--trial-steps", type=int, default=8,
                    help="timed steps of each DDP thread-count trial under --threads auto")
-    p.add_argument("--pycache-dir", default=os.path.join(tempfile.gettempdir(), "z3kit-bench-pycache"),
+    p.add_argument("--pycache-dir", default=PYCACHE_DIR,
                    help="bytecode cache (sys.pycache_prefix) for the spawned ranks' lazy imports "
                         "(default %(default)s); '' to leave the interpreter's setting alone")
     p.add_argument("--zero-config", type=_parse_zero_config, default=DEFAULT_ZERO_CONFIG,
@@ -1022,7 +1002,7 @@ def run(args: argparse.Namespace) -> JSON:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _use_bytecode_cache(args.pycache_dir)
+    use_bytecode_cache(args.pycache_dir)
     report = run(args)
     print()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,30 +53,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
-#: bytecode cache of this command's processes (see ``_use_bytecode_cache``)
-PYCACHE_DIR = os.path.join(tempfile.gettempdir(), "z3kit-pycache")
-
-
-def _use_bytecode_cache(pycache_dir: str = PYCACHE_DIR) -> None:
-    """Cache bytecode under ``pycache_dir`` from now on in this process.
-
-    Under ``PYTHONDONTWRITEBYTECODE`` (which spawn passes on to the ranks as
-    ``-B``), or where the installed packages lack bytecode, every process
-    compiles what it imports from source each time: torch itself, and
-    torch._dynamo and sympy, which the first optimizer's constructor
-    imports; on 2 cores that is 10-20 s per run. A private prefix writes
-    nothing next to the sources. Left alone when the user has a prefix of
-    their own.
-    """
-    if pycache_dir and sys.pycache_prefix is None:
-        sys.pycache_prefix = pycache_dir
-        sys.dont_write_bytecode = False
-
+from z3kit_recipes.launch import PYCACHE_DIR, free_port, use_bytecode_cache
 
 if __name__ in ("__main__", "__mp_main__"):  # run as the command (or a rank it spawned): before torch's import
-    _use_bytecode_cache()
+    use_bytecode_cache()
 
 import argparse  # noqa: E402
 import contextlib
@@ -86,7 +67,6 @@ import hashlib
 import importlib
 import json
 import math
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -483,11 +463,6 @@ class RunSpec:
     argv: tuple[str, ...] = ()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _torchrun_env() -> tuple[int, int, int] | None:
     """(rank, world, local_rank) when launched by torchrun, else None."""
@@ -567,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world, local_rank = launched
         run_rank(spec, rank, world, resolve_device(local_rank), spawned=False)
         return 0
-    spec = attrs.evolve(spec, port=_free_port(), threads=max(1, _cpu_count() // args.nproc))
+    spec = attrs.evolve(spec, port=free_port(), threads=max(1, _cpu_count() // args.nproc))
     # the ranks read torch's bytecode from the cache before they run any code of ours
     rank_env = {"OMP_NUM_THREADS": str(spec.threads), "PYTHONPYCACHEPREFIX": sys.pycache_prefix or PYCACHE_DIR}
     try:
@@ -599,7 +574,7 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 def _spawned_rank(rank: int, spec: RunSpec, world: int) -> None:
     faulthandler.enable()  # a rank that dies on a signal says where
-    _use_bytecode_cache()
+    use_bytecode_cache()
     run_rank(spec, rank, world, resolve_device(prefer="cpu"), spawned=True)
 
 

@@ -430,6 +430,8 @@ class Zero3Engine:
             raise RuntimeError("gathered_parameters cannot be used inside a forward or backward")
         pids = list(dict.fromkeys(self.coordinator.index[id(p)] for p in target.parameters()))
         self.coordinator.ensure_gathered(pids)
+        # pinned: a forward inside the block (on one rank only, say) then needs no collective
+        self.coordinator.hold(pids)
         try:
             yield [self.shards[p].param for p in pids]
             if modifier_rank is not None:
@@ -451,6 +453,14 @@ class Zero3Engine:
         for pid in pids:
             if self.coordinator.persistent[pid]:
                 self.coordinator._free(pid)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's communication in flight (``step()`` leaves the
+        persistent parameters' refresh gathering). Call it before stopping a
+        torch profiler: a gloo work issued under the profiler and completed
+        after it stopped can crash the process."""
+        self.coordinator.wait_inflight()
+        self.streams.synchronize()
 
     # -- observability ---------------------------------------------------------------------------
     def stats(self) -> Zero3Stats:

@@ -258,12 +258,21 @@ class ParamCoordinator:
             self._note("prefetch", None, total)
 
     # -- whole-model transitions -----------------------------------------------------------
-    def release_all(self) -> None:
-        """Wait for gathers in flight and free every non-persistent parameter
-        (end of backward, after an eval forward, after an error)."""
+    def hold(self, pids: Iterable[int]) -> None:
+        """Pin ``pids`` gathered until the next ``release_all`` (no module exit frees them)."""
+        for p in pids:
+            self._users[p] += 1
+
+    def wait_inflight(self) -> None:
+        """Wait for every gather in flight; nothing is released."""
         for p in list(self._handles):
             if p in self._handles:
                 self._wait(p)
+
+    def release_all(self) -> None:
+        """Wait for gathers in flight and free every non-persistent parameter
+        (end of backward, after an eval forward, after an error)."""
+        self.wait_inflight()
         self._holders.clear()
         self._users = [0] * len(self.shards)
         for p, shard in enumerate(self.shards):
