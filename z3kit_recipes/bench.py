@@ -278,9 +278,17 @@ class _FSDP2Runner:
 
 #: ZeRO-3 knobs given to both DeepSpeed and z3kit: DeepSpeed's defaults, except
 #: that every parameter is sharded (with the default persistence threshold of
-#: 1e5 elements, every parameter of the tiny workload would stay fully
-#: gathered on every rank, and resident memory would not be 1/N).
-DEFAULT_ZERO_CONFIG: JSON = {"stage": 3, "stage3_param_persistence_threshold": 0}
+#: 1e5 elements every parameter of the tiny workload would stay gathered on
+#: every rank, and resident memory would not be 1/N), and that buckets are
+#: sized for these models: with the defaults (5e7-element prefetch, 5e8-element
+#: reduce bucket) one bucket holds a whole 7.4M-parameter model, so neither
+#: the gather nor the reduction can overlap any compute.
+DEFAULT_ZERO_CONFIG: JSON = {
+    "stage": 3,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_prefetch_bucket_size": 2_000_000,
+    "reduce_bucket_size": 2_000_000,
+}
 
 
 def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None) -> JSON:
