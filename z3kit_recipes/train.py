@@ -636,6 +636,9 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
     _init_group(spec, rank, world, info, spawned)
     try:
         _train(spec, rank, world, info, started)
+        # tear down together: a rank that leaves while rank 0 still writes the
+        # summary has been seen to abort in gloo's teardown under load
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
