@@ -348,24 +348,19 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+def _finite_float(*, positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float, > 0 (``positive``) or >= 0."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if positive else '>='} 0, got {text}")
+        return value
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_int_at_least(1), help="sequence length (overrides the preset)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=DEFAULT_BATCH_SIZE,
                    help=f"sequences per rank and micro-step (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--lr", type=_positive_float, default=DEFAULT_LR, help=f"peak AdamW learning rate (default {DEFAULT_LR})")
+    p.add_argument("--lr", type=_finite_float(positive=True), default=DEFAULT_LR, help=f"peak AdamW learning rate (default {DEFAULT_LR})")
     p.add_argument("--config", type=Path,
                    help="DeepSpeed JSON (with zero_optimization) or z3kit JSON (Zero3Config fields); "
                    "default: the stock config with sizes scaled to the model")
@@ -400,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-chars", type=_int_at_least(0), default=DEFAULT_SAMPLE_CHARS,
                    help=f"characters to sample from the trained model (0: none; default {DEFAULT_SAMPLE_CHARS})")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"start of the sample (default {DEFAULT_PROMPT!r})")
-    p.add_argument("--temperature", type=_nonnegative_float, default=DEFAULT_TEMPERATURE,
+    p.add_argument("--temperature", type=_finite_float(positive=False), default=DEFAULT_TEMPERATURE,
                    help=f"sampling temperature (0: always the likeliest character; default {DEFAULT_TEMPERATURE})")
     p.add_argument("--corpus-chars", type=_int_at_least(1000), default=DEFAULT_CORPUS_CHARS,
                    help=f"characters of standard-library source to train on (default {DEFAULT_CORPUS_CHARS:,})")
