@@ -172,7 +172,6 @@ class Zero3Engine:
             log=self.log,
             overlap=config.overlap_comm,
         )
-        bucket_dtype = dtype
         reduce_scatter = config.reduce_scatter
         if reduce_scatter is None:
             reduce_scatter = dist.get_backend(group) != "gloo"
@@ -183,7 +182,7 @@ class Zero3Engine:
             streams=self.streams,
             log=self.log,
             bucket_size=config.reduce_bucket_size,
-            bucket_dtype=bucket_dtype,
+            bucket_dtype=dtype,  # reduce in the compute dtype, as DeepSpeed does; accumulate in fp32
             mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
             overlap=config.overlap_comm,
             contiguous=config.contiguous_gradients,
@@ -207,7 +206,7 @@ class Zero3Engine:
                 self.hooks.attach(m, unit.actions)
             else:
                 self.hooks.attach(m)
-        self._grad_handles = [
+        self._grad_handles = [  # kept so the hooks can be removed
             shards[pid].param.register_post_accumulate_grad_hook(self._make_grad_hook(pid))
             for pid in trainable
             if pid not in leaf_params
@@ -221,7 +220,6 @@ class Zero3Engine:
         self.global_step = 0  # optimizer steps taken
         self._backward_since_step = False
         self._epilogue_queued = False
-        self._in_backward_pass = False
         self._last_grad_norm: float | None = None
         self._log_at_step = self.log.snapshot()
         self._last_step_collectives = _diff(self.log.snapshot(), self._log_at_step)
