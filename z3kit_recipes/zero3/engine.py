@@ -107,8 +107,9 @@ class Zero3Engine:
         self.streams: StreamPairLike = stream_pair_for(device)
         dtype = config.torch_dtype
 
-        names, params = _unique_params(module)
-        self.param_names = names
+        named = list(module.named_parameters())  # each parameter once, tied ones included
+        self.param_names = [name for name, _ in named]
+        params = [p for _, p in named]
         index = {id(p): pid for pid, p in enumerate(params)}
         leaf_roots = set(leaf_modules)
 
@@ -250,14 +251,18 @@ class Zero3Engine:
 
     def _make_grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
         def on_grad_ready(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is None or self.reducer is None:
-                return
-            self._queue_epilogue()
-            self.reducer.add(pid, grad)
-            param.grad = None
+            if param.grad is not None:
+                self._hand_over(pid, param, param.grad)
 
         return on_grad_ready
+
+    def _hand_over(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A full gradient is ready: into the reducer, out of ``param.grad``."""
+        if self.reducer is None:
+            return
+        self._queue_epilogue()
+        self.reducer.add(pid, grad)
+        param.grad = None
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -309,13 +314,8 @@ class Zero3Engine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _reduce_leaf(self, grads: ParamGrads) -> None:
-        if self.reducer is None:
-            return
-        self._queue_epilogue()
         for param, grad in grads:
-            pid = self.coordinator.index[id(param)]
-            self.reducer.add(pid, grad)
-            param.grad = None
+            self._hand_over(self.coordinator.index[id(param)], param, grad)
 
     def _end_of_backward(self) -> None:
         self._epilogue_queued = False
@@ -560,14 +560,6 @@ class Zero3Engine:
                 f"count {len(self._param_ids)} -> {len(current)}); ZeRO-3 shards parameters at initialize: "
                 "add them before initialize, or remove them to keep training with this engine"
             )
-
-
-def _unique_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
-    names, params = [], []
-    for name, p in module.named_parameters():
-        names.append(name)
-        params.append(p)
-    return names, params
 
 
 def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:

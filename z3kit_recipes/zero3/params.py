@@ -300,10 +300,6 @@ class ParamCoordinator:
         self._steps = None
         self._fetch_step.clear()
 
-    @property
-    def inflight(self) -> int:
-        return len({id(h) for h in self._handles.values()})
-
     def inflight_numel(self) -> int:
         """Elements of the gathers in flight (their output buffers exist)."""
         return sum({id(h): h.numel for h in self._handles.values()}.values())
