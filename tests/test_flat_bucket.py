@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.dist_pool import PoolSet, WorkerContext
+from tests.errors import error_of
 from z3kit.collectives import CollectiveLog
 from z3kit.flat_bucket import FlatBucket, ReduceMode
 from z3kit.shard import partition_of, shard_numel_for
@@ -41,14 +42,6 @@ def _padded_total(world: int, keys: list[int]) -> int:
     return sum(shard_numel_for(torch.Size(GRAD_SHAPES[k % len(GRAD_SHAPES)]).numel(), world) * world for k in keys)
 
 
-def _error(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _bucket_worker(ctx: WorkerContext, mode: ReduceMode, async_op: bool) -> dict[str, Any]:
     rank, world, group = ctx.rank, ctx.world, ctx.group
     keys = list(range(len(GRAD_SHAPES)))
@@ -63,11 +56,11 @@ def _bucket_worker(ctx: WorkerContext, mode: ReduceMode, async_op: bool) -> dict
         bucket.add(k, _grad(rank, k, 0))
     out["full_used"] = (bucket.used, bucket.capacity, len(bucket))
     out["overflow_when_full"] = bucket.would_overflow(1)
-    out["add_when_full"] = _error(bucket.add, 99, torch.zeros(1))
+    out["add_when_full"] = error_of(bucket.add, 99, torch.zeros(1))
     flush = bucket.flush(group, scale=SCALE, async_op=async_op, log=log)
     out["empty_after_flush"] = (bucket.is_empty(), bucket.used)
-    out["add_in_flight"] = _error(bucket.add, 0, _grad(rank, 0, 0))
-    out["flush_in_flight"] = _error(bucket.flush, group)
+    out["add_in_flight"] = error_of(bucket.add, 0, _grad(rank, 0, 0))
+    out["flush_in_flight"] = error_of(bucket.flush, group)
     out["round0"] = [(k, p.clone()) for k, p in flush.wait()]
 
     # round 1: the same bucket reused, sub-batches flushed whenever the next would overflow
@@ -99,7 +92,7 @@ def _bucket_worker(ctx: WorkerContext, mode: ReduceMode, async_op: bool) -> dict
     bucket.add(1, _grad(rank, 1, 2))
     new = bucket.flush(group, async_op=True)
     old.wait()
-    out["add_after_stale_wait"] = _error(bucket.add, 1, _grad(rank, 1, 2))
+    out["add_after_stale_wait"] = error_of(bucket.add, 1, _grad(rank, 1, 2))
     new.wait()
 
     out["log"] = log.snapshot()

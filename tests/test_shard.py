@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dist_pool import PoolSet, WorkerContext
+from tests.errors import error_of
 from z3kit.collectives import CollectiveKind, CollectiveLog
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards, partition_of, shard_numel_for
 
@@ -19,14 +20,6 @@ SHAPES = [(7, 3), (3,), (1,), (4, 4), (5, 1)]
 def _param(i: int, shape: tuple[int, ...]) -> torch.nn.Parameter:
     g = torch.Generator().manual_seed(77 + i)
     return torch.nn.Parameter(torch.randn(shape, generator=g))
-
-
-def _error(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 # --- layout, no process group ---------------------------------------------------------
@@ -133,8 +126,8 @@ def _gather_worker(ctx: WorkerContext) -> dict[str, Any]:
 
     # bad transition: gathering an AVAILABLE parameter
     gather_shards([shards[0]], group)
-    out["gather_available"] = _error(gather_shards, [shards[0]], group)
-    out["gather_mixed"] = _error(gather_shards, [shards[1], shards[0]], group)
+    out["gather_available"] = error_of(gather_shards, [shards[0]], group)
+    out["gather_mixed"] = error_of(gather_shards, [shards[1], shards[0]], group)
     out["status_after_refusal"] = shards[1].status
     shards[0].release()
 
@@ -144,8 +137,8 @@ def _gather_worker(ctx: WorkerContext) -> dict[str, Any]:
     out["async_done_before"] = h.done
     out["inflight"] = [s.status for s in shards]
     out["inflight_numels"] = [s.param.data.numel() for s in shards]
-    out["gather_inflight"] = _error(gather_shards, [shards[2]], group)
-    out["release_inflight"] = _error(shards[2].release)
+    out["gather_inflight"] = error_of(gather_shards, [shards[2]], group)
+    out["release_inflight"] = error_of(shards[2].release)
     h.wait()
     h.wait()
     out["async_done_after"] = h.done
@@ -169,7 +162,7 @@ def _gather_worker(ctx: WorkerContext) -> dict[str, Any]:
 
     # a wrong-world shard reaches the collective's size check
     wrong = ParamShard.from_param(_param(9, (6,)), 0, world + 1)
-    out["wrong_world"] = _error(gather_shards, [wrong], group)
+    out["wrong_world"] = error_of(gather_shards, [wrong], group)
     return out
 
 

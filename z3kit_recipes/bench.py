@@ -172,6 +172,14 @@ def _numel(params: Sequence[torch.Tensor]) -> int:
     return sum(p.numel() for p in params)
 
 
+def _engine_step(engine: Any, wl: Workload, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step of a DeepSpeed-style engine (DeepSpeed's and z3kit's share the interface)."""
+    loss = wl.loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
+
+
 class _DDPRunner:
     peak_method = "full replica: every parameter is resident on every rank"
 
@@ -342,10 +350,7 @@ class _DeepSpeedRunner:
         self._peak = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.wl.loss(self.engine(x), y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
+        return _engine_step(self.engine, self.wl, x, y)
 
     def _sample(self) -> None:
         live = sum(int(p.ds_numel) for p in self._params if p.ds_status in self._live_states)
@@ -453,10 +458,7 @@ class _Z3kitRunner:
         self._peak = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.wl.loss(self.engine(x), y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
+        return _engine_step(self.engine, self.wl, x, y)
 
     def start_probe(self) -> None:
         self._peak = 0
