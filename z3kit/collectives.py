@@ -261,3 +261,17 @@ def broadcast(
     if log is not None:
         log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
     dist.broadcast(tensor, group_src=src_rank, group=group)
+
+
+def failed_ranks(ok: bool, group: ProcessGroup | None, device: torch.device | str = "cpu") -> list[int]:
+    """Ranks of ``group`` whose ``ok`` is False, the same list on every rank.
+
+    Every rank must call it: it is how ranks agree that a step which can
+    fail on one of them (a user callback, a file read) succeeded everywhere
+    before any of them goes on to a collective the failed one will not join.
+    ``device`` is where the process group's backend takes tensors."""
+    group = _check_group(group)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    flags = flag.new_empty(dist.get_world_size(group))
+    _all_gather_single(flags, flag, group=group)
+    return [rank for rank, value in enumerate(flags.tolist()) if value == 0]

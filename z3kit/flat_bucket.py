@@ -93,6 +93,12 @@ class FlatBucket:
         self._in_flight: BucketFlush | None = None
 
     @property
+    def nbytes(self) -> int:
+        """Bytes this bucket holds (its buffer, and the reduce-scatter output)."""
+        out = 0 if self._out is None else self._out.numel() * self._out.element_size()
+        return self.buffer.numel() * self.buffer.element_size() + out
+
+    @property
     def used(self) -> int:
         """Elements of the buffer taken so far."""
         return self._used

@@ -32,7 +32,9 @@ class GradPartitionBuffer:
             raise ValueError(f"partition sizes must be positive ints, got {partition_numels}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"accumulation dtype must be floating point, got {dtype}")
-        self.buffer = torch.zeros(sum(partition_numels), dtype=dtype, device=device)
+        # empty, not zeros: a view is written (copy_) before it is first read, and
+        # pages never written cost nothing on a CPU
+        self.buffer = torch.empty(sum(partition_numels), dtype=dtype, device=device)
         self.views: list[torch.Tensor] = list(self.buffer.split(list(partition_numels))) if partition_numels else []  # Tensor.split is unannotated in torch
         self._has_grad = [False] * len(self.views)
 

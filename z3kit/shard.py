@@ -45,15 +45,28 @@ def partition_of(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s padded slice of a flat tensor, as a new contiguous tensor."""
     if flat.dim() != 1:
         raise ValueError(f"partition_of needs a flat tensor, got shape {tuple(flat.shape)}")
+    out = flat.new_empty(shard_numel_for(flat.numel(), world))
+    fill_partition(out, flat, rank, world)
+    return out
+
+
+def fill_partition(out: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
+    """Write rank ``rank``'s padded slice of ``flat`` into ``out`` (converting
+    to ``out``'s dtype and device on the way; the padding becomes zeros)."""
+    if flat.dim() != 1:
+        raise ValueError(f"fill_partition needs a flat tensor, got shape {tuple(flat.shape)}")
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     size = shard_numel_for(flat.numel(), world)
-    out = flat.new_zeros(size)
+    if out.numel() != size:
+        raise ValueError(f"rank {rank}'s slice of {flat.numel()} elements over {world} ranks has {size}, got {out.numel()}")
     start = rank * size
     stop = min(start + size, flat.numel())
-    if stop > start:
-        out[: stop - start].copy_(flat[start:stop])
-    return out
+    taken = max(0, stop - start)
+    if taken:
+        out[:taken].copy_(flat[start:stop])
+    if taken < size:
+        out[taken:].zero_()
 
 
 @attrs.define(eq=False)
@@ -119,7 +132,7 @@ class ParamShard:
         """Overwrite this rank's shard from full values (after a broadcast, say)."""
         if full.numel() != self.numel:
             raise ValueError(f"load_full needs {self.numel} elements, got {full.numel()}")
-        self.shard.copy_(partition_of(full.detach().reshape(-1).to(self.shard.dtype), self.rank, self.world))
+        fill_partition(self.shard, full.detach().reshape(-1), self.rank, self.world)
 
 
 class GatherHandle:

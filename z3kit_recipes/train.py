@@ -758,7 +758,7 @@ def _train(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: floa
     # every rank's losses and memory, gathered once at the end
     loss_table = _gather_rows(torch.tensor(losses, dtype=torch.float32, device=device), world)
     state_numel, state_bytes = _optimizer_state_size(engine.optimizer)
-    grad_itemsize = 4 if engine.reducer is None else engine.reducer.partitions.buffer.element_size()
+    grad_itemsize = 4  # gradient partitions accumulate in fp32
     memory_row = torch.tensor(
         [
             final.resident_param_numel,

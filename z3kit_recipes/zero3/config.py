@@ -85,6 +85,34 @@ class Zero3Config:
     reduce_scatter: bool | None = attrs.field(default=None)
     #: gathers in flight at once (demand fetches included)
     max_inflight_gathers: int = attrs.field(default=2, validator=_int_at_least(1))
+    #: bytes per rank for gathered parameters and gradient buckets (an int), or a
+    #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
+    #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
+    #: at hand (see ``z3kit_recipes.zero3.budget``). None: use the knobs as given.
+    memory_budget: int | float | None = attrs.field(default=None)
+
+    @memory_budget.validator
+    def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"Zero3Config.memory_budget must be bytes (an int) or a fraction of the model (a float), "
+                f"got {type(value).__name__}"
+            )
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"Zero3Config.memory_budget in bytes must be >= 1, got {value}")
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"Zero3Config.memory_budget as a fraction of the model must be in (0, 1], got {value}; "
+                "give bytes as an int"
+            )
+        changed = [name for name in BUDGET_DERIVED if getattr(self, name) != _DEFAULTS[name]]
+        if changed:
+            raise ValueError(
+                f"Zero3Config.memory_budget derives {', '.join(BUDGET_DERIVED)}; "
+                f"do not also set {', '.join(changed)} (drop them, or drop memory_budget)"
+            )
 
     @reduce_scatter.validator
     def _check_reduce_scatter(self, attribute: attrs.Attribute[bool | None], value: bool | None) -> None:
@@ -163,6 +191,10 @@ def _enabled(section: Any, name: str) -> bool:
         raise TypeError(f"{name} must be a dict like {{'enabled': true}}, got {type(section).__name__}")
     return bool(section.get("enabled", False))
 
+
+#: the knobs that ``memory_budget`` derives, when it is set
+BUDGET_DERIVED = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "reduce_bucket_size")
+_DEFAULTS = {f.name: f.default for f in attrs.fields(Zero3Config)}
 
 _TOP_LEVEL = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",

@@ -25,21 +25,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast, failed_ranks
+from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes, storage_bytes, tensor_bytes
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy, StockReleasePolicy
-from z3kit.shard import ParamShard, ParamStatus, partition_of, shard_numel_for
+from z3kit.shard import ParamStatus, fill_partition
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
-from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory
+from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
+from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
+from z3kit_recipes.zero3.layout import ShardLayout
 from z3kit_recipes.zero3.grads import GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode, TimelineEvent
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-LeafSpec = type[nn.Module] | nn.Module
 
 #: device type served by each process-group backend
 _DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
@@ -74,6 +77,11 @@ class Zero3Stats:
     step_time_s: float
     comm_wait_s: float
 
+    #: bytes held by kind, now and at their peak since the last training forward after a step
+    memory: MemoryReport
+    #: the knobs ``memory_budget`` chose, when it is set
+    memory_plan: MemoryPlan | None
+
     @property
     def comm_wait_share(self) -> float:
         return self.comm_wait_s / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -96,9 +104,12 @@ class Zero3Engine:
         trace: TraceRecorder,
         release_policy: ReleasePolicy,
         limiter: PrefetchLimiter,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         self.module = module
         self.config = config
+        #: the knobs ``config.memory_budget`` was turned into, when it is set
+        self.memory_plan = memory_plan
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
@@ -112,54 +123,42 @@ class Zero3Engine:
         params = [p for _, p in named]
         index = {id(p): pid for pid, p in enumerate(params)}
         leaf_roots = set(leaf_modules)
+        self.memory = MemoryLedger()
 
-        # 1. every rank starts from rank 0's values, as DDP does; nothing is mutated yet
-        full_values = self._broadcast_full(params)
-        # All shards are views of one flat buffer, in parameter order: a
-        # coalesced gather of neighbouring parameters then reads its input
-        # in place instead of concatenating it (see gather_shards).
-        sizes = [shard_numel_for(p.numel(), self.world) for p in params]
-        flat_shards = torch.empty(sum(sizes), dtype=dtype, device=device)
-        shards = []
-        for p, full, view in zip(params, full_values, flat_shards.split(sizes)):
-            view.copy_(partition_of(full.to(dtype), self.rank, self.world))
-            shards.append(ParamShard(p, p.shape, p.numel(), self.rank, self.world, view))
-        trainable = [pid for pid, p in enumerate(params) if p.requires_grad]
-        if dtype == torch.float32:
-            # the fp32 shard is the master: the optimizer updates it in place
-            masters = [nn.Parameter(shards[pid].shard) for pid in trainable]
-        else:
-            masters = [
-                nn.Parameter(partition_of(full_values[pid].float(), self.rank, self.world)) for pid in trainable
-            ]
-        self.masters_are_shards = dtype == torch.float32
-        del full_values
-        optimizer = optimizer_factory(masters)
-        _check_optimizer(optimizer, masters)
+        # 1. the layout is allocated empty and the optimizer built on it; a
+        #    factory that fails (on any rank) leaves every model untouched
+        layout = ShardLayout.allocate(params, rank=self.rank, world=self.world, dtype=dtype, device=device)
+        try:
+            optimizer = optimizer_factory(layout.masters)
+            _check_optimizer(optimizer, layout.masters)
+        except BaseException:
+            failed_ranks(False, group, device)
+            raise
+        failed = failed_ranks(True, group, device)
+        if failed:
+            raise RuntimeError(
+                f"the optimizer factory failed on rank(s) {failed}; see their error. Nothing was changed here"
+            )
 
-        # 2. the model changes only once nothing can fail any more
-        self.shards = shards
-        self.masters = masters
-        self.trainable = trainable
+        # 2. rank 0's values into the shards, one parameter (or chunk) at a time
+        layout.fill_from_rank0(group, self.log)
+        self.layout = layout
+        self.shards = layout.shards
+        self.masters = layout.masters
+        self.trainable = layout.trainable
+        self.masters_are_shards = layout.masters_are_shards
         self.optimizer = optimizer
-        for s in shards:
-            s.release()
+        self.memory.set(MemoryKind.PARAM_SHARDS, tensor_bytes(layout.flat))
+        if not self.masters_are_shards:
+            self.memory.set(MemoryKind.FP32_MASTERS, storage_bytes(self.masters))
         for buf_name, buf in list(module.named_buffers()):
             converted = buf.to(device, dtype) if buf.is_floating_point() else buf.to(device)
             if converted is not buf:
                 _set_buffer(module, buf_name, converted)
+        shards = self.shards
+        trainable = self.trainable
 
-        hooked: dict[nn.Module, list[int]] = {}
-        inside_leaf = {m for leaf in leaf_roots for m in leaf.modules() if m is not leaf}
-        for m in module.modules():
-            if m in inside_leaf:
-                continue
-            if m in leaf_roots:
-                pids = [index[id(p)] for p in m.parameters()]
-            else:
-                pids = list(dict.fromkeys(index[id(p)] for p in m.parameters(recurse=False)))
-            if pids or m is module:
-                hooked[m] = pids
+        hooked = fetch_groups(module, params, leaf_roots)
 
         self.trace, self.policy, self.limiter = trace, release_policy, limiter
         self.coordinator = ParamCoordinator(
@@ -171,6 +170,7 @@ class Zero3Engine:
             policy=release_policy,
             limiter=limiter,
             log=self.log,
+            memory=self.memory,
             overlap=config.overlap_comm,
         )
         reduce_scatter = config.reduce_scatter
@@ -182,7 +182,8 @@ class Zero3Engine:
             group=group,
             streams=self.streams,
             log=self.log,
-            bucket_size=config.reduce_bucket_size,
+            memory=self.memory,
+            bucket_size=config.reduce_bucket_size if memory_plan is None else memory_plan.reduce_bucket_size,
             bucket_dtype=dtype,  # reduce in the compute dtype, as DeepSpeed does; accumulate in fp32
             mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
             overlap=config.overlap_comm,
@@ -230,25 +231,11 @@ class Zero3Engine:
         self._last_comm_wait = 0.0
         self._capture_armed = False
         self._last_peak_live = 0
+        self._new_memory_window = True
         #: the parameter timeline of the last captured step (see ``capture_timeline``)
         self.timeline: list[TimelineEvent] = []
 
     # -- construction helpers -----------------------------------------------------------
-    def _broadcast_full(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """Rank 0's value of every parameter, flat, on this engine's device (one
-        broadcast per dtype), without touching the parameters themselves."""
-        out: list[torch.Tensor | None] = [None] * len(params)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for pid, p in enumerate(params):
-            by_dtype.setdefault(p.dtype, []).append(pid)
-        for dtype, pids in by_dtype.items():
-            flat = torch.cat([params[pid].detach().reshape(-1).to(self.device) for pid in pids])
-            if self.world > 1:
-                broadcast(flat, 0, self.group, log=self.log)
-            for pid, piece in zip(pids, flat.split([params[p].numel() for p in pids])):
-                out[pid] = piece
-        return [t for t in out if t is not None]
-
     def _make_grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
         def on_grad_ready(param: torch.Tensor) -> None:
             if param.grad is not None:
@@ -281,6 +268,9 @@ class Zero3Engine:
         was_tracing = self.coordinator.tracing
         self.coordinator.tracing = training
         if training:
+            if self._new_memory_window:
+                self._new_memory_window = False
+                self.memory.reset_peaks()
             self.coordinator.start_step()
         try:
             with self._use_mode:
@@ -365,10 +355,9 @@ class Zero3Engine:
         if not self.is_accumulation_boundary():
             return False
         if self.reducer is not None:
-            partitions = self.reducer.partitions
             if self.config.gradient_clipping > 0:
                 self._last_grad_norm = float(self.reducer.clip_(self.config.gradient_clipping))
-            for master, grad in zip(self.masters, partitions.optimizer_grads()):
+            for master, grad in zip(self.masters, self.reducer.optimizer_grads()):
                 master.grad = grad
             self.optimizer.step()
             for master in self.masters:
@@ -376,8 +365,10 @@ class Zero3Engine:
             if not self.masters_are_shards:
                 for pid, master in zip(self.trainable, self.masters):
                     self.shards[pid].shard.copy_(master.detach())
-            partitions.new_window()
+            self.reducer.end_window()
+            self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
         self.coordinator.refresh_persistent()
+        self._new_memory_window = True
         self.global_step += 1
         now = self.log.snapshot()
         self._last_step_collectives = _diff(now, self._log_at_step)
@@ -406,7 +397,7 @@ class Zero3Engine:
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last optimizer step."""
         if self.reducer is not None:
-            self.reducer.partitions.new_window()
+            self.reducer.end_window()
 
     # -- full parameters on demand ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -438,19 +429,19 @@ class Zero3Engine:
             self.coordinator.release_all()
 
     def _adopt_full_values(self, pids: list[int], src: int) -> None:
-        params = [self.shards[p].param for p in pids]
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        broadcast(flat, src, self.group, log=self.log)
-        master_of = dict(zip(self.trainable, self.masters))
-        for pid, full in zip(pids, flat.split([p.numel() for p in params])):
+        """Rank ``src``'s full values of ``pids`` into every rank's shards and
+        masters, one parameter at a time (broadcast in place: the gathered
+        copies are dropped right after)."""
+        master_of = {} if self.masters_are_shards else self.layout.master_of()
+        for pid in pids:
             shard = self.shards[pid]
+            full = shard.param.detach().reshape(-1)
+            broadcast(full, src, self.group, log=self.log)
             shard.load_full(full)
             master = master_of.get(pid)
-            if master is not None and not self.masters_are_shards:
-                master.data.copy_(partition_of(full.float(), self.rank, self.world))
-        for pid in pids:
-            if self.coordinator.persistent[pid]:
-                self.coordinator._free(pid)
+            if master is not None:
+                fill_partition(master.data, full, self.rank, self.world)
+        self.coordinator.discard(p for p in pids if self.coordinator.persistent[p])
 
     def synchronize(self) -> None:
         """Wait for this rank's communication in flight (``step()`` leaves the
@@ -470,10 +461,10 @@ class Zero3Engine:
             model_numel=model_numel,
             resident_param_numel=_storage_numel(s.shard for s in self.shards),
             resident_master_numel=0 if self.masters_are_shards else _storage_numel(self.masters),
-            resident_grad_numel=0 if self.reducer is None else _storage_numel([self.reducer.partitions.buffer]),
+            resident_grad_numel=self.memory.current(MemoryKind.GRAD_PARTITIONS) // 4,
             live_numel=self.limiter.live_numel,
             peak_live_numel=max(self._last_peak_live, self.limiter.high_water),
-            max_live_parameters=self.config.max_live_parameters,
+            max_live_parameters=self.limiter.max_live_parameters,
             largest_fetch_numel=max(fetch_sizes, default=0),
             collectives=self._last_step_collectives,
             trace_state=self.trace.state.value,
@@ -481,6 +472,8 @@ class Zero3Engine:
             last_grad_norm=self._last_grad_norm,
             step_time_s=self._last_step_time,
             comm_wait_s=self._last_comm_wait,
+            memory=self.memory.report(device_peak_bytes(self.device)),
+            memory_plan=self.memory_plan,
         )
 
     def gathered_numel(self) -> int:
@@ -568,6 +561,10 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner._buffers[attr] = value
 
 
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return storage_bytes(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+
+
 def _storage_numel(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
@@ -617,31 +614,6 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
     return device
 
 
-def _resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Module]:
-    modules = list(model.modules())
-    chosen: list[nn.Module] = []
-    for spec in specs:
-        if isinstance(spec, type) and issubclass(spec, nn.Module):
-            found = [m for m in modules if isinstance(m, spec)]
-            if not found:
-                raise ValueError(f"leaf module class {spec.__name__} matches no module of the model")
-            chosen.extend(found)
-        elif isinstance(spec, nn.Module):
-            if not any(spec is m for m in modules):
-                raise ValueError(f"leaf module {type(spec).__name__} instance is not part of the model")
-            chosen.append(spec)
-        else:
-            raise TypeError(f"leaf_modules holds module classes or instances, got {type(spec).__name__}")
-    # a leaf inside another leaf is part of the outer unit
-    unique = list(dict.fromkeys(chosen))
-    inner = {m for leaf in unique for m in leaf.modules() if m is not leaf}
-    leaves = [m for m in unique if m not in inner]
-    for leaf in leaves:
-        if next(leaf.parameters(), None) is None:
-            raise ValueError(f"leaf module {type(leaf).__name__} has no parameters")
-    return leaves
-
-
 def initialize(
     model: nn.Module,
     optimizer: OptimizerFactory,
@@ -687,25 +659,45 @@ def initialize(
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 trains floating-point parameters")
     device = _resolve_device(model, process_group)
-    leaves = _resolve_leaves(model, leaf_modules)
+    leaves = resolve_leaves(model, leaf_modules)
     if trace is None:
         trace = TraceRecorder()
     elif not isinstance(trace, TraceRecorder):
         raise TypeError(f"trace must be a TraceRecorder (or a subclass), got {type(trace).__name__}")
+    plan = _plan_budget(model, config, leaves, dist.get_world_size(process_group))
+    knobs = plan.knobs() if plan is not None else {name: getattr(config, name) for name in BUDGET_DERIVED}
     if release_policy is None:
         release_policy = StockReleasePolicy(
-            max_reuse_distance=config.max_reuse_distance,
+            max_reuse_distance=knobs["max_reuse_distance"],
             param_persistence_threshold=config.param_persistence_threshold,
-            max_live_parameters=config.max_live_parameters,
+            max_live_parameters=knobs["max_live_parameters"],
         )
     elif not isinstance(release_policy, ReleasePolicy):
         raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
     if prefetch_limiter is None:
         prefetch_limiter = PrefetchLimiter(
-            max_live_parameters=config.max_live_parameters,
-            prefetch_bucket_size=config.prefetch_bucket_size,
+            max_live_parameters=knobs["max_live_parameters"],
+            prefetch_bucket_size=knobs["prefetch_bucket_size"],
             max_inflight=config.max_inflight_gathers,
         )
     elif not isinstance(prefetch_limiter, PrefetchLimiter):
         raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
-    return Zero3Engine(model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter)
+    return Zero3Engine(
+        model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter, plan
+    )
+
+
+def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:
+    """The knobs ``config.memory_budget`` stands for on this model, if it is set."""
+    if config.memory_budget is None:
+        return None
+    params = [p for _, p in model.named_parameters()]
+    groups = fetch_groups(model, params, leaves)
+    return plan_memory(
+        config.memory_budget,
+        model_numel=sum(p.numel() for p in params),
+        element_size=config.torch_dtype.itemsize,
+        largest_fetch_numel=max(sum(params[p].numel() for p in pids) for pids in groups.values()),
+        world=world,
+        buckets=2 if config.overlap_comm else 1,
+    )

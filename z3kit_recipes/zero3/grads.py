@@ -10,22 +10,31 @@ buckets alternate: one fills while the other's reduction is in flight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import time
+from collections.abc import Sequence
 
 import torch
 
 from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
 from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
+from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
 from z3kit_recipes.zero3.params import profiled
 
 
 class GradReducer:
-    """Per-rank gradient partitions of the trainable parameters."""
+    """Per-rank gradient partitions of the trainable parameters.
+
+    Note: what exists when.
+        Buckets are allocated when a backward hands over its first gradient
+        and dropped once its reductions have landed, at the end of that
+        backward: between backwards a rank holds none. The partitions are
+        allocated when the first reduced gradient of an accumulation window
+        lands and dropped by ``end_window`` after the optimizer step (or a
+        ``zero_grad``). Both are counted in the ``MemoryLedger``.
+    """
 
     def __init__(
         self,
@@ -35,6 +44,7 @@ class GradReducer:
         group: ProcessGroup,
         streams: StreamPairLike,
         log: CollectiveLog,
+        memory: MemoryLedger,
         bucket_size: int,
         bucket_dtype: torch.dtype,
         mode: ReduceMode,
@@ -43,25 +53,22 @@ class GradReducer:
         scale: float,
     ) -> None:
         self.shards = shards
-        self.group, self.streams, self.log = group, streams, log
+        self.group, self.streams, self.log, self.memory = group, streams, log, memory
         self.mode, self.overlap, self.scale = mode, overlap, scale
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
         #: partition slot of each trainable parameter id
         self.slot = {pid: i for i, pid in enumerate(trainable)}
-        self.partitions = GradPartitionBuffer(
-            [shards[p].shard_numel for p in trainable], dtype=torch.float32, device=self.device
-        )
+        self._partition_numels = [shards[p].shard_numel for p in trainable]
+        #: this window's partitions; None between an optimizer step and the first landing after it
+        self.partitions: GradPartitionBuffer | None = None
         padded_total = sum(shards[p].padded_numel for p in trainable)
         # no bucket is larger than what the whole model can fill
         capacity = min(bucket_size, padded_total)
-        self.buckets: list[FlatBucket] = []
-        if contiguous and capacity >= self.world:
-            count = 2 if overlap else 1
-            self.buckets = [
-                FlatBucket(capacity, rank=self.rank, world=self.world, dtype=bucket_dtype, device=self.device, mode=mode)
-                for _ in range(count)
-            ]
+        #: elements of one bucket (0: every gradient is reduced on its own)
+        self.bucket_capacity = capacity - capacity % self.world if contiguous and capacity >= self.world else 0
+        self._bucket_count = 2 if overlap else 1
+        self.buckets: list[FlatBucket | None] = [None] * self._bucket_count
         self.bucket_dtype = bucket_dtype
         self._current = 0
         #: seconds spent blocked on reductions
@@ -75,15 +82,36 @@ class GradReducer:
         """Take parameter ``pid``'s full gradient (the caller may drop it afterwards)."""
         if grad.dtype != self.bucket_dtype:
             grad = grad.to(self.bucket_dtype)
-        padded = self.shards[pid].padded_numel
-        if not self.buckets or padded > self.buckets[0].capacity:
+        if self.shards[pid].padded_numel > self.bucket_capacity:
             self._reduce_alone(pid, grad)
             return
-        bucket = self.buckets[self._current]
+        bucket = self._bucket(self._current)
         if bucket.would_overflow(grad.numel()):
             self._flush_current()
-            bucket = self.buckets[self._current]
+            bucket = self._bucket(self._current)
         bucket.add(pid, grad)
+
+    def _bucket(self, index: int) -> FlatBucket:
+        bucket = self.buckets[index]
+        if bucket is None:
+            bucket = FlatBucket(
+                self.bucket_capacity,
+                rank=self.rank,
+                world=self.world,
+                dtype=self.bucket_dtype,
+                device=self.device,
+                mode=self.mode,
+            )
+            self.buckets[index] = bucket
+            self.memory.allocate(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
+        return bucket
+
+    def _drop_buckets(self) -> None:
+        for bucket in self.buckets:
+            if bucket is not None:
+                self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
+        self.buckets = [None] * self._bucket_count
+        self._current = 0
 
     def _reduce_alone(self, pid: int, grad: torch.Tensor) -> None:
         """A gradient larger than a bucket (or with contiguous_gradients off)
@@ -102,12 +130,13 @@ class GradReducer:
                 size = shard.shard_numel
                 out = padded[self.rank * size : (self.rank + 1) * size]
         self.streams.hold_until_comm_done(padded)
+        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
         self._alone.append((pid, out, padded, pending))
 
     def _flush_current(self) -> None:
         index = self._current
         bucket = self.buckets[index]
-        if bucket.is_empty():
+        if bucket is None or bucket.is_empty():
             return
         with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"), self.streams.on_comm():
             self._flights[index] = bucket.flush(self.group, scale=self.scale, async_op=self.overlap, log=self.log)
@@ -124,31 +153,53 @@ class GradReducer:
         parts = flight.wait()
         self.streams.compute_wait_comm()
         self.comm_wait_s += time.perf_counter() - start
+        partitions = self._window()
         for pid, part in parts:
-            self.partitions.accumulate(self.slot[pid], part)
+            partitions.accumulate(self.slot[pid], part)
+
+    def _window(self) -> GradPartitionBuffer:
+        """This window's partitions, allocated at its first landing."""
+        if self.partitions is None:
+            self.partitions = GradPartitionBuffer(self._partition_numels, dtype=torch.float32, device=self.device)
+            self.memory.allocate(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
+        return self.partitions
 
     def finish(self) -> None:
-        """End of backward: reduce what is left and land every partition."""
-        if self.buckets:
-            self._flush_current()
-            for index in list(self._flights):
-                self._land(index)
-        for pid, out, _padded, pending in self._alone:
+        """End of backward: reduce what is left, land every partition, drop the buckets."""
+        self._flush_current()
+        for index in list(self._flights):
+            self._land(index)
+        for pid, out, padded, pending in self._alone:
             start = time.perf_counter()
             pending.wait()
             self.streams.compute_wait_comm()
             self.comm_wait_s += time.perf_counter() - start
-            self.partitions.accumulate(self.slot[pid], out)
+            self._window().accumulate(self.slot[pid], out)
+            self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
         self._alone.clear()
+        self._drop_buckets()
 
     # -- optimizer side ---------------------------------------------------------------
+    def optimizer_grads(self) -> list[torch.Tensor | None]:
+        """Each trainable parameter's accumulated partition, None where it got no gradient this window."""
+        if self.partitions is None:
+            return [None] * len(self._partition_numels)
+        return self.partitions.optimizer_grads()
+
+    def end_window(self) -> None:
+        """The optimizer consumed the window (or it was discarded): drop the partitions."""
+        if self.partitions is not None:
+            self.memory.free(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
+            self.partitions = None
+
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the partitions so the global gradient norm is at most
         ``max_norm``; returns the norm before clipping."""
-        squared = self.partitions.squared_norm().reshape(1).to(torch.float32)
+        local = self.partitions.squared_norm() if self.partitions is not None else torch.zeros((), device=self.device)
+        squared = local.reshape(1).to(torch.float32)
         all_reduce(squared, self.group, log=self.log)
         norm = squared.sqrt()[0]
         coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
+        if coef < 1.0 and self.partitions is not None:
             self.partitions.scale_(coef)
         return norm

@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from z3kit.collectives import CollectiveLog, ProcessGroup
 from z3kit.hooks import ModuleHooks, iter_tensors
+from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
@@ -84,9 +85,13 @@ class ParamCoordinator:
         policy: ReleasePolicy,
         limiter: PrefetchLimiter,
         log: CollectiveLog,
+        memory: MemoryLedger,
         overlap: bool,
     ) -> None:
         self.shards = list(shards)
+        self.memory = memory
+        #: bytes of each parameter's gathered storage (its padded full size)
+        self._gathered_bytes = [s.padded_numel * s.shard.element_size() for s in self.shards]
         self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
         self.numels = [s.numel for s in self.shards]
         self.persistent = [policy.is_persistent(n) for n in self.numels]
@@ -125,6 +130,7 @@ class ParamCoordinator:
     def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
         numel = sum(self.numels[p] for p in pids)
         self.limiter.on_gather(numel)
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[p] for p in pids))
         with self.streams.on_comm():
             handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=async_op, log=self.log)
         if async_op:
@@ -214,11 +220,18 @@ class ParamCoordinator:
                 self._free(p)
         self._note("release", module, sum(self.numels[p] for p in chosen))
 
+    def discard(self, pids: Iterable[int]) -> None:
+        """Free the gathered copies of ``pids`` (their shards changed); the
+        next use gathers them afresh."""
+        for p in pids:
+            self._free(p)
+
     def _free(self, pid: int) -> None:
         shard = self.shards[pid]
         if shard.status is ParamStatus.AVAILABLE:
             shard.release()
             self.limiter.on_release(self.numels[pid])
+            self.memory.free(MemoryKind.GATHERED_PARAMS, self._gathered_bytes[pid])
 
     def params_in(self, output: Any) -> set[int]:
         """Managed parameters that appear in a module's output."""

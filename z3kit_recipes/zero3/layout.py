@@ -1,0 +1,136 @@
+"""The shard layout of one model: every parameter's 1/N slice as a view of
+one flat buffer, the fp32 master shards, and how rank 0's values get there.
+
+Note: one flat buffer.
+    All shards are views of one flat buffer, in parameter order: a
+    coalesced gather of neighbouring parameters then reads its input in
+    place instead of concatenating it (see ``z3kit.shard.gather_shards``).
+    In fp32 runs the shard is the master itself: the optimizer updates it in
+    place. Other compute dtypes get fp32 master shards of their own, filled
+    from the full fp32 values (not from the rounded shard).
+
+Note: what initialize holds at once.
+    The layout is allocated empty first and the optimizer is built on it,
+    so that a failing optimizer factory leaves the model untouched. Then
+    rank 0's values arrive one parameter at a time (small ones a chunk of
+    ``CHUNK_NUMEL`` elements at a time): a large parameter is broadcast in
+    place, each rank fills its shard from it and releases the full tensor
+    at once. The model's own storage shrinks as the shards fill, so a rank
+    never holds more than the model as it was given plus one chunk (on a
+    CPU, where the untouched part of the empty flat buffer costs nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from torch import nn
+
+from z3kit.collectives import CollectiveLog, ProcessGroup, broadcast
+from z3kit.shard import ParamShard, fill_partition, shard_numel_for
+
+#: parameters smaller than this are broadcast together, through one buffer of at most this many elements
+CHUNK_NUMEL = 1 << 20
+
+
+@attrs.define(eq=False)
+class ShardLayout:
+    """This rank's shards of every parameter, and the optimizer's master shards."""
+
+    shards: list[ParamShard]
+    #: the buffer every shard is a view of
+    flat: torch.Tensor
+    #: ids of the parameters that require grad, in parameter order
+    trainable: list[int]
+    #: the optimizer's parameters, one per trainable parameter
+    masters: list[nn.Parameter]
+
+    @property
+    def masters_are_shards(self) -> bool:
+        return self.flat.dtype == torch.float32
+
+    @classmethod
+    def allocate(
+        cls,
+        params: Sequence[nn.Parameter],
+        *,
+        rank: int,
+        world: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> ShardLayout:
+        """Empty shards (and masters) for ``params``; the parameters keep their values."""
+        sizes = [shard_numel_for(p.numel(), world) for p in params]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        shards = [
+            ParamShard(p, p.shape, p.numel(), rank, world, view) for p, view in zip(params, flat.split(sizes))
+        ]
+        trainable = [pid for pid, p in enumerate(params) if p.requires_grad]
+        if dtype == torch.float32:
+            masters = [nn.Parameter(shards[pid].shard) for pid in trainable]
+        else:
+            masters = [nn.Parameter(torch.empty(sizes[pid], dtype=torch.float32, device=device)) for pid in trainable]
+        return cls(shards, flat, trainable, masters)
+
+    def master_of(self) -> dict[int, nn.Parameter]:
+        """Master shard by parameter id (trainable parameters only)."""
+        return dict(zip(self.trainable, self.masters))
+
+    def fill_from_rank0(self, group: ProcessGroup, log: CollectiveLog) -> None:
+        """Every shard (and master) from rank 0's full values, releasing each
+        parameter's full tensor as soon as its shard is filled (see the Note
+        on what initialize holds at once)."""
+        for pids in _chunks(self.shards):
+            fulls = _rank0_values([self.shards[p].param for p in pids], self.flat.device, group, log)
+            self.fill(pids, fulls)
+
+    def fill(self, pids: Sequence[int], fulls: Sequence[torch.Tensor]) -> None:
+        """Fill the shards (and masters) of ``pids`` from flat full values, then release them."""
+        masters = {} if self.masters_are_shards else self.master_of()
+        for pid, full in zip(pids, fulls):
+            shard = self.shards[pid]
+            fill_partition(shard.shard, full, shard.rank, shard.world)
+            master = masters.get(pid)
+            if master is not None:
+                fill_partition(master.data, full, shard.rank, shard.world)
+            shard.release()
+
+
+def _chunks(shards: Sequence[ParamShard]) -> list[list[int]]:
+    """Parameter ids: large parameters alone, runs of small ones of one dtype
+    up to ``CHUNK_NUMEL`` elements together."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for pid, s in enumerate(shards):
+        if s.numel >= CHUNK_NUMEL:
+            chunks.append([pid])
+            continue
+        if current and (size + s.numel > CHUNK_NUMEL or s.param.dtype != shards[current[0]].param.dtype):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(pid)
+        size += s.numel
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _rank0_values(
+    params: Sequence[nn.Parameter], device: torch.device, group: ProcessGroup, log: CollectiveLog
+) -> list[torch.Tensor]:
+    """Rank 0's values of ``params``, flat, on ``device``. A single
+    contiguous parameter already on ``device`` is broadcast in place (its
+    full tensor is released right after); others go through one buffer."""
+    world = torch.distributed.get_world_size(group)
+    if len(params) == 1:
+        flat = params[0].detach().reshape(-1).to(device)  # a view where it can be, else a copy
+        buffers = [flat]
+    else:
+        flat = torch.cat([p.detach().reshape(-1).to(device) for p in params])
+        buffers = list(flat.split([p.numel() for p in params]))
+    if world > 1:
+        broadcast(flat, 0, group, log=log)
+    return buffers
