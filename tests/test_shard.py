@@ -64,10 +64,21 @@ def test_from_param_shards_and_releases_locally() -> None:
     assert torch.equal(shard.shard, partition_of(full.reshape(-1), 3, 4))
     # install from a locally assembled padded buffer, then release again
     padded = torch.cat([partition_of(full.reshape(-1), r, 4) for r in range(4)])
-    shard.install(padded)
+    with pytest.raises(ValueError, match="materialize"):
+        shard.install()  # nothing to read yet
+    shard.materialize().copy_(padded)
+    shard.install()
     assert shard.status.name == "AVAILABLE" and torch.equal(p.data, full)
+    view = p.data.t()  # what autograd saves for F.linear on a CPU: a view of the data
     shard.release()
     assert shard.status is ParamStatus.NOT_AVAILABLE and p.data.numel() == 0
+    # the memory is gone even though a view of it is still referenced ...
+    assert view.untyped_storage().nbytes() == 0 and shard.full.untyped_storage().nbytes() == 0
+    # ... and the view reads the values again once they are gathered back
+    shard.materialize().copy_(padded)
+    shard.install()
+    assert torch.equal(view, full.t())
+    shard.release()
     shard.release()  # releasing a released parameter is harmless
     # load_full overwrites the shard
     shard.load_full(full * 2)
@@ -84,8 +95,8 @@ def test_param_shard_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         ParamShard.from_param(_param(0, (3,)), rank=2, world=2)
     shard = ParamShard.from_param(_param(0, (7, 3)), rank=0, world=2)
-    with pytest.raises(ValueError, match="install needs at least 21 elements, got 20"):
-        shard.install(torch.zeros(20))
+    with pytest.raises(ValueError, match="install before materialize"):
+        shard.install()
     with pytest.raises(ValueError, match="load_full needs 21 elements, got 22"):
         shard.load_full(torch.zeros(22))
     with pytest.raises(ValueError, match="gather_shards needs at least one shard"):

@@ -5,10 +5,20 @@ A parameter of ``numel`` elements is flattened, padded with zeros to
 ``r`` keeps elements ``[r * shard_numel, (r + 1) * shard_numel)``. A parameter
 smaller than the world size still gets one element per rank (the rest pad).
 
-Gather and release swap ``param.data`` between the full tensor and an empty
-one. Autograd is unaffected: it records the parameter object, not its
-storage, so a saved parameter seen again in backward reads whatever data is
-installed then, which the pre-backward gather makes the full values again.
+Note: gathered storage is resized as well as swapped.
+    Each parameter gathers into one padded full buffer of its own
+    (``ParamShard.full``), for the whole run. Gather gives that buffer's
+    storage its bytes back and fills them, then points ``param.data`` at
+    it; release points ``param.data`` at an empty tensor (so a released
+    parameter is safe to print or inspect) and frees the buffer's storage
+    (``resize_(0)``). Swapping alone would free nothing whenever autograd
+    saved a view of the parameter's data rather than the parameter itself
+    (``F.linear`` saves ``weight.t()`` on a CPU): the view would keep the
+    old storage alive until backward. With one storage per parameter, saved
+    views see it shrink and grow and read the re-gathered values in
+    backward. Writes go through ``full``, whose version counter is not the
+    parameter's, so autograd's check of saved tensors is not tripped by a
+    gather. FSDP2 frees its unsharded parameters the same way.
 """
 
 from __future__ import annotations
@@ -81,9 +91,14 @@ class ParamShard:
     #: this rank's flat padded slice, ``shard_numel`` elements.
     shard: torch.Tensor
     status: ParamStatus = ParamStatus.NOT_AVAILABLE
+    #: the padded full buffer ``param.data`` views while gathered; its storage
+    #: holds no bytes while the parameter is released
+    full: torch.Tensor = attrs.field(init=False)
     _empty: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self.full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        _free_storage(self.full)
         self._empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
 
     @property
@@ -110,11 +125,19 @@ class ParamShard:
         shard.release()
         return shard
 
-    def install(self, full_flat: torch.Tensor) -> None:
-        """Make ``param.data`` the full parameter, read from a flat padded buffer."""
-        if full_flat.numel() < self.numel:
-            raise ValueError(f"install needs at least {self.numel} elements, got {full_flat.numel()}")
-        self.param.data = full_flat[: self.numel].view(self.shape)
+    def materialize(self) -> torch.Tensor:
+        """Give ``full`` its bytes back (contents undefined) and return it, for a gather to fill."""
+        storage = self.full.untyped_storage()
+        nbytes = self.padded_numel * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self.full
+
+    def install(self) -> None:
+        """``full`` holds the gathered values: ``param.data`` views it, AVAILABLE."""
+        if self.full.untyped_storage().nbytes() == 0:
+            raise ValueError("install before materialize: the full buffer has no storage to read")
+        self.param.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
 
     def release(self) -> None:
@@ -126,6 +149,7 @@ class ParamShard:
         if self.status is ParamStatus.INFLIGHT:
             raise ValueError("cannot release a parameter whose gather is in flight (status INFLIGHT); wait on it first")
         self.param.data = self._empty
+        _free_storage(self.full)
         self.status = ParamStatus.NOT_AVAILABLE
 
     def load_full(self, full: torch.Tensor) -> None:
@@ -154,8 +178,20 @@ class GatherHandle:
     def done(self) -> bool:
         return self._pending.done
 
+    @property
+    def staging_numel(self) -> int:
+        """Elements of the coalesced output buffer this gather holds until
+        ``wait`` copies it out (0 for one parameter, gathered in place)."""
+        return 0 if len(self.shards) == 1 else sum(s.padded_numel for s in self.shards)
+
     def wait(self) -> None:
         self._pending.wait()
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
 
 
 def _adjacent_view(shards: Sequence[ParamShard]) -> torch.Tensor | None:
@@ -206,12 +242,12 @@ def gather_shards(
     world = first.world
     total = sum(s.numel for s in shards)
     if len(shards) == 1:
-        out = first.shard.new_empty(first.padded_numel)
-        pending = all_gather(out, first.shard, group, async_op=async_op, log=log)
+        # the rank-major output of one parameter is its padded full buffer
+        pending = all_gather(first.materialize(), first.shard, group, async_op=async_op, log=log)
 
         def install() -> None:
             pending.wait()
-            first.install(out)
+            first.install()
 
     else:
         flat_in = _adjacent_view(shards)
@@ -222,16 +258,13 @@ def gather_shards(
 
         def install() -> None:
             pending.wait()
-            # Each parameter gets storage of its own, so that releasing one frees
-            # its memory; one split-copy kernel fills them all from the
-            # (world, sum of shard sizes) rank-major output.
+            # one split-copy kernel fills every parameter's own full buffer
+            # from the (world, sum of shard sizes) rank-major output
             sizes = [s.shard_numel for s in shards]
-            fulls = [out.new_empty(world * n) for n in sizes]
-            torch.split_with_sizes_copy(
-                out.view(world, -1), sizes, dim=1, out=[f.view(world, n) for f, n in zip(fulls, sizes)]
-            )
-            for s, full in zip(shards, fulls):
-                s.install(full)
+            fulls = [s.materialize().view(world, n) for s, n in zip(shards, sizes)]
+            torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=fulls)
+            for s in shards:
+                s.install()
 
     for s in shards:
         s.status = ParamStatus.INFLIGHT

@@ -478,10 +478,10 @@ class Zero3Engine:
 
     def gathered_numel(self) -> int:
         """Elements of full parameter storage held right now, measured on the
-        tensors, gathers in flight included (their buffers exist already)."""
-        with torch._C.DisableTorchFunction():  # our reads, not uses by a running module
-            installed = sum(s.param.data.numel() for s in self.shards)
-        return installed + self.coordinator.inflight_numel()
+        tensors (padding included), gathers in flight included (their
+        buffers exist already)."""
+        installed = sum(s.full.untyped_storage().nbytes() // s.full.element_size() for s in self.shards)
+        return installed + self.coordinator.staging_numel()
 
     # -- conveniences -------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Zero3Engine:

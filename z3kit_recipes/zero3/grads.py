@@ -24,8 +24,40 @@ from z3kit.streams import StreamPairLike
 from z3kit_recipes.zero3.params import profiled
 
 
+#: bucket elements below which the count of collectives matters more than the memory
+BUCKET_FLOOR_NUMEL = 1 << 20
+
+
+def bucket_capacity(bucket_size: int, padded_numels: Sequence[int], world: int, overlap: bool) -> int:
+    """Elements of one gradient bucket: ``reduce_bucket_size``, but never more
+    than the whole model can fill, and never so much that the buckets
+    together hold more than one rank's gradient partition (1/N of the
+    model), down to ``BUCKET_FLOOR_NUMEL``.
+
+    Note: why the buckets are capped.
+        DeepSpeed's default bucket (5e8 elements) holds the whole gradient
+        of any model under that size, and a rank then holds a model-sized
+        buffer on top of its 1/N partitions at the end of backward. Two
+        buckets of at most 1/(2N) of the model keep the end of backward
+        within one partition's size, and on any model worth sharding they
+        are still millions of elements, where one collective's fixed cost
+        is lost in its transfer time.
+    """
+    total = sum(padded_numels)
+    share = -(-total // (world * (2 if overlap else 1)))
+    return min(bucket_size, total, max(share, BUCKET_FLOOR_NUMEL))
+
+
 class GradReducer:
     """Per-rank gradient partitions of the trainable parameters.
+
+    Note: large gradients.
+        A gradient that needs no padding and would take half a bucket or
+        more is reduced in place, in the tensor autograd produced, instead
+        of being copied into a bucket: the copy would double the largest
+        gradients (an embedding, an LM head) at the very start of backward,
+        where everything gathered for forward is still held. It lands as
+        soon as its collective is done (checked at every later hand-over).
 
     Note: what exists when.
         Buckets are allocated when a backward hands over its first gradient
@@ -62,9 +94,7 @@ class GradReducer:
         self._partition_numels = [shards[p].shard_numel for p in trainable]
         #: this window's partitions; None between an optimizer step and the first landing after it
         self.partitions: GradPartitionBuffer | None = None
-        padded_total = sum(shards[p].padded_numel for p in trainable)
-        # no bucket is larger than what the whole model can fill
-        capacity = min(bucket_size, padded_total)
+        capacity = bucket_capacity(bucket_size, [shards[p].padded_numel for p in trainable], self.world, overlap)
         #: elements of one bucket (0: every gradient is reduced on its own)
         self.bucket_capacity = capacity - capacity % self.world if contiguous and capacity >= self.world else 0
         self._bucket_count = 2 if overlap else 1
@@ -74,15 +104,19 @@ class GradReducer:
         #: seconds spent blocked on reductions
         self.comm_wait_s = 0.0
         self._flights: dict[int, BucketFlush] = {}  # bucket index -> its reduction in flight
-        # unbucketed reductions in flight: (pid, this rank's partition, padded input kept alive, handle)
+        # unbucketed reductions in flight: (pid, this rank's partition, reduced input kept alive, handle)
         self._alone: list[tuple[int, torch.Tensor, torch.Tensor, Pending]] = []
 
     # -- adding ------------------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor) -> None:
-        """Take parameter ``pid``'s full gradient (the caller may drop it afterwards)."""
+        """Take parameter ``pid``'s full gradient. The reducer may reduce
+        ``grad`` itself in place: the caller drops its own reference and
+        does not use it afterwards."""
         if grad.dtype != self.bucket_dtype:
             grad = grad.to(self.bucket_dtype)
-        if self.shards[pid].padded_numel > self.bucket_capacity:
+        self._land_alone(finished_only=True)
+        padded = self.shards[pid].padded_numel
+        if padded > self.bucket_capacity or (padded == grad.numel() and 2 * padded >= self.bucket_capacity):
             self._reduce_alone(pid, grad)
             return
         bucket = self._bucket(self._current)
@@ -114,11 +148,17 @@ class GradReducer:
         self._current = 0
 
     def _reduce_alone(self, pid: int, grad: torch.Tensor) -> None:
-        """A gradient larger than a bucket (or with contiguous_gradients off)
-        gets a collective of its own on a padded copy."""
+        """A gradient larger than a bucket, or one that would fill half of
+        it and needs no padding, gets a collective of its own (see the Note
+        on large gradients); the previous one lands first, so at most one is
+        held at a time."""
+        self._land_alone()
         shard = self.shards[pid]
-        padded = grad.new_zeros(shard.padded_numel)
-        padded[: grad.numel()].copy_(grad.reshape(-1))
+        if grad.numel() == shard.padded_numel and grad.is_contiguous():
+            padded = grad.view(-1)
+        else:
+            padded = grad.new_zeros(shard.padded_numel)
+            padded[: grad.numel()].copy_(grad.reshape(-1))
         with self.streams.on_comm():
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 out = padded.new_empty(shard.shard_numel)
@@ -169,15 +209,25 @@ class GradReducer:
         self._flush_current()
         for index in list(self._flights):
             self._land(index)
-        for pid, out, padded, pending in self._alone:
+        self._land_alone()
+        self._drop_buckets()
+
+    def _land_alone(self, finished_only: bool = False) -> None:
+        """Land the unbucketed reductions in flight (with ``finished_only``,
+        those that completed already, without waiting)."""
+        waiting = []
+        for flight in self._alone:
+            pid, out, padded, pending = flight
+            if finished_only and not pending.is_completed():
+                waiting.append(flight)
+                continue
             start = time.perf_counter()
             pending.wait()
             self.streams.compute_wait_comm()
             self.comm_wait_s += time.perf_counter() - start
             self._window().accumulate(self.slot[pid], out)
             self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
-        self._alone.clear()
-        self._drop_buckets()
+        self._alone = waiting
 
     # -- optimizer side ---------------------------------------------------------------
     def optimizer_grads(self) -> list[torch.Tensor | None]:

@@ -15,9 +15,12 @@ Note: what initialize holds at once.
     rank 0's values arrive one parameter at a time (small ones a chunk of
     ``CHUNK_NUMEL`` elements at a time): a large parameter is broadcast in
     place, each rank fills its shard from it and releases the full tensor
-    at once. The model's own storage shrinks as the shards fill, so a rank
-    never holds more than the model as it was given plus one chunk (on a
-    CPU, where the untouched part of the empty flat buffer costs nothing).
+    at once. The model's own storage shrinks as the shards fill, smallest
+    parameters first, so the large shards are written when most of the
+    model is already gone: a rank holds little more than the model as it
+    was given (on a CPU, where the untouched part of the empty flat buffer
+    costs nothing; an accelerator's allocator counts the shard buffer, 1/N,
+    at once).
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ class ShardLayout:
         parameter's full tensor as soon as its shard is filled (see the Note
         on what initialize holds at once)."""
         for pids in _chunks(self.shards):
-            fulls = _rank0_values([self.shards[p].param for p in pids], self.flat.device, group, log)
-            self.fill(pids, fulls)
+            # no name holds the values: they are freed as soon as fill returns
+            self.fill(pids, _rank0_values([self.shards[p].param for p in pids], self.flat.device, group, log))
 
     def fill(self, pids: Sequence[int], fulls: Sequence[torch.Tensor]) -> None:
         """Fill the shards (and masters) of ``pids`` from flat full values, then release them."""
@@ -100,7 +103,8 @@ class ShardLayout:
 
 def _chunks(shards: Sequence[ParamShard]) -> list[list[int]]:
     """Parameter ids: large parameters alone, runs of small ones of one dtype
-    up to ``CHUNK_NUMEL`` elements together."""
+    up to ``CHUNK_NUMEL`` elements together; the smallest chunks first, so
+    that the largest shards are written when most full tensors are gone."""
     chunks: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -115,7 +119,7 @@ def _chunks(shards: Sequence[ParamShard]) -> list[list[int]]:
         size += s.numel
     if current:
         chunks.append(current)
-    return chunks
+    return sorted(chunks, key=lambda pids: sum(shards[p].numel for p in pids))
 
 
 def _rank0_values(

@@ -313,9 +313,9 @@ class ParamCoordinator:
         self._steps = None
         self._fetch_step.clear()
 
-    def inflight_numel(self) -> int:
-        """Elements of the gathers in flight (their output buffers exist)."""
-        return sum({id(h): h.numel for h in self._handles.values()}.values())
+    def staging_numel(self) -> int:
+        """Elements of the coalesced gathers' output buffers in flight."""
+        return sum({id(h): h.staging_numel for h in self._handles.values()}.values())
 
     # -- parameters used outside their module ----------------------------------------------
     def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:
