@@ -1,5 +1,6 @@
 """The training command ``python -m z3kit_recipes.train``: corpus, config,
-options, and a short end-to-end run on 2 spawned gloo ranks."""
+options, the summary's memory figures, and a short end-to-end run on 2
+spawned gloo ranks."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import csv
 import importlib
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
 
+from z3kit.memory import MemoryKind, MemoryReport
 from z3kit_recipes import train
 from z3kit_recipes.launch import free_port
+from z3kit_recipes.train.corpus import SKIPPED_DIRS
+from z3kit_recipes.train.memory import KINDS, MemoryFigures, RankMemory, Replica, peak_rss_bytes
+from z3kit_recipes.train.render import render_memory
 from z3kit_recipes.models import GPT, GPTConfig
 from z3kit_recipes.zero3.config import Zero3Config
 
@@ -31,7 +38,7 @@ def test_corpus_is_deterministic_and_nonempty() -> None:
     assert files, "the standard library has .py files"
     rel = [p.relative_to(train.stdlib_root()).as_posix() for p in files]
     assert rel == sorted(rel)
-    assert not any(part in train._SKIPPED_DIRS for r in rel for part in r.split("/")[:-1])
+    assert not any(part in SKIPPED_DIRS for r in rel for part in r.split("/")[:-1])
 
     a = train.load_corpus(SMALL_CORPUS)
     b = train.load_corpus(SMALL_CORPUS)
@@ -77,7 +84,7 @@ def test_batches_are_seeded_by_rank_and_step() -> None:
 
 
 def test_lr_schedule_warms_up_and_decays() -> None:
-    lrs = [train._lr_at(s, 200, 1.0) for s in range(200)]
+    lrs = [train.lr_at(s, 200, 1.0) for s in range(200)]
     assert lrs[0] < lrs[5] <= 1.0
     assert max(lrs) == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(0.1, abs=0.01)
@@ -215,8 +222,78 @@ def test_parser_defaults_and_overrides() -> None:
 
 
 # --------------------------------------------------------------------------- #
+# Memory figures
+# --------------------------------------------------------------------------- #
+
+
+def _report(current: dict[str, int], peak: dict[str, int], device_peak: int | None = None) -> MemoryReport:
+    return MemoryReport(current=current, peak=peak, peak_total=sum(peak.values()) - 1, device_peak=device_peak)
+
+
+def test_rank_memory_survives_the_exchange_row() -> None:
+    current = {k.value: 100 * (i + 1) for i, k in enumerate(MemoryKind)}
+    peak = {k: 3 * v for k, v in current.items()}
+    for rss, device in ((123 << 20, None), (None, 7 << 30)):
+        mine = RankMemory.of(1, _report(current, peak, device), peak_rss=rss, peak_live_numel=4242)
+        row = mine.to_row()
+        assert row.dtype == torch.int64  # exact at any size
+        back = RankMemory.from_row(1, [int(v) for v in row.tolist()])
+        assert back == mine
+        assert back.current_total == sum(current.values()) and back.peak_total == sum(peak.values()) - 1
+        assert (back.peak_rss, back.device_peak) == (rss, device)
+
+
+def test_peak_rss_reads_vmhwm(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t  900000 kB\nVmHWM:\t  123456 kB\nVmRSS:\t  100000 kB\n")
+    assert peak_rss_bytes(status) == 123456 * 1024
+    status.write_text("Name:\tpython\n")
+    assert peak_rss_bytes(status) is None
+    assert peak_rss_bytes(tmp_path / "missing") is None
+    if Path("/proc/self/status").is_file():
+        rss = peak_rss_bytes()
+        assert rss is not None and rss > 50 << 20  # this process imported torch
+
+
+def test_replica_is_what_one_rank_holds_unsharded() -> None:
+    fp32 = Replica.of(1000, torch.float32)
+    assert fp32.bytes[MemoryKind.PARAM_SHARDS.value] == 4000 and fp32.bytes[MemoryKind.FP32_MASTERS.value] == 0
+    assert fp32.total == 16 * 1000  # parameters, gradients, AdamW's two moments
+    bf16 = Replica.of(1000, torch.bfloat16)
+    assert bf16.bytes[MemoryKind.PARAM_SHARDS.value] == 2000 and bf16.bytes[MemoryKind.FP32_MASTERS.value] == 4000
+    assert bf16.total == 18 * 1000
+    assert set(fp32.bytes) == set(KINDS)
+
+
+def test_memory_table_shows_every_kind_per_rank() -> None:
+    current = dict.fromkeys(KINDS, 0) | {"param_shards": 2048, "optimizer_state": 4096 + 8}
+    peak = current | {"grad_partitions": 2048, "grad_buckets": 1 << 20}
+    ranks = [
+        RankMemory.of(r, _report(current, peak, device_peak=3 << 20), peak_rss=200 << 20, peak_live_numel=10)
+        for r in range(2)
+    ]
+    table = "\n".join(render_memory(MemoryFigures(1024, ranks, Replica.of(1024, torch.float32), "memory budget 9 B")))
+    for kind in KINDS:
+        assert kind in table
+    assert "rank 0" in table and "rank 1" in table and "unsharded replica" in table
+    assert "0 B / 2.0 kB" in table  # grad partitions: none after the step, a shard's worth at its peak
+    assert "1.00 MB" in table and "200.00 MB" in table and "device peak" in table and "3.00 MB" in table
+    assert "16.0 kB" in table  # the replica's total: 16 bytes per parameter
+    assert "memory plan     memory budget 9 B" in table
+
+
+# --------------------------------------------------------------------------- #
 # End to end
 # --------------------------------------------------------------------------- #
+
+
+def test_runs_as_a_command() -> None:
+    """``python -m z3kit_recipes.train`` imports the package and runs ``__main__``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "z3kit_recipes.train", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m z3kit_recipes.train") and "--corpus-chars" in done.stdout
 
 
 def test_end_to_end_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -235,27 +312,63 @@ def test_end_to_end_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str])
     assert math.isfinite(s["loss"]["start"]) and math.isfinite(s["loss"]["end"])
     assert 0 < s["loss"]["end"] < 2 * math.log(s["corpus"]["vocab_size"])
 
-    model_numel = s["memory"]["model_numel"]
     vocab = s["corpus"]["vocab_size"]
-    tiny = train.MODEL_SIZES["tiny"]
-    model = GPT(GPTConfig(vocab_size=vocab, width=tiny[0], n_layer=tiny[1], n_head=tiny[2], seq_len=tiny[3]))
-    assert model_numel == model.num_parameters()
-    n_params = len(list(model.parameters()))
-    for r in s["memory"]["per_rank"]:
-        # a half of every parameter, each padded by less than one element per rank
-        assert model_numel / 2 <= r["param_shard_numel"] <= model_numel / 2 + n_params
-        assert r["grad_partition_numel"] == 0  # the partitions go with the optimizer step
-        assert r["master_numel"] == 0  # fp32: the shards are the masters
-        assert r["optimizer_state_numel"] >= 2 * r["param_shard_numel"]  # AdamW's two moments
+    model = GPT(train.gpt_config("tiny", vocab))
+    params = list(model.parameters())  # the tied lm head once
+    mem = s["memory"]
+    assert mem["model_numel"] == model.num_parameters()
+    # analytically, at 2 ranks: each rank holds ceil(numel / 2) fp32 elements of every parameter
+    shard_bytes = sum(math.ceil(p.numel() / 2) * 4 for p in params)
+    # parameters under the persistence threshold stay gathered (whole, padded to 2 shards) between steps
+    threshold = s["config"]["param_persistence_threshold"]
+    persistent_bytes = sum(math.ceil(p.numel() / 2) * 2 * 4 for p in params if p.numel() < threshold)
+    assert [r["rank"] for r in mem["per_rank"]] == [0, 1]
+    for r in mem["per_rank"]:
+        now, peak = r["current"], r["peak"]
+        assert set(now) == set(peak) == set(KINDS)
+        assert now["param_shards"] == peak["param_shards"] == shard_bytes
+        assert now["fp32_masters"] == peak["fp32_masters"] == 0  # fp32: the shards are the masters
+        # gradient partitions and buckets exist only from the first backward to the optimizer step
+        assert now["grad_partitions"] == 0 and now["grad_buckets"] == 0
+        assert peak["grad_partitions"] == shard_bytes  # one fp32 partition per parameter shard
+        assert peak["grad_buckets"] > 0
+        # AdamW: exp_avg and exp_avg_sq like each shard, plus one scalar step per parameter
+        assert 2 * shard_bytes < now["optimizer_state"] <= 2 * shard_bytes + 8 * len(params)
+        assert now["gathered_params"] == persistent_bytes < peak["gathered_params"]
+        assert peak["gathered_params"] <= 4 * (r["peak_live_numel"] + len(params))  # padding: < 1 element each
+        assert r["current_total"] == sum(now.values())
+        assert max(peak.values()) <= r["peak_total"] <= sum(peak.values())
+        assert r["device_peak"] is None  # CPU
+        if Path("/proc/self/status").is_file():
+            assert r["peak_rss"] > 50 << 20  # torch alone is larger
+    assert mem["replica"]["bytes"]["param_shards"] == 4 * mem["model_numel"]
+    assert mem["replica"]["total"] == 16 * mem["model_numel"]  # parameters, gradients, two moments
+    assert mem["plan"] is None
+    assert "memory per rank" in printed and "unsharded replica" in printed and "process peak RSS" in printed
 
     live = s["live"]
+    assert live["peak_live_numel"] == max(r["peak_live_numel"] for r in mem["per_rank"])
     assert 0 < live["peak_live_numel"] <= live["max_live_parameters"] + live["largest_fetch_numel"]
-    assert live["peak_live_numel"] < model_numel  # sharding shows: never the whole model at once
-    assert s["collective_calls_per_step"] > 0 and s["collective_bytes_per_step"] > 0
-    assert "all_gather" in s["collectives_per_step"]
+    assert live["peak_live_numel"] < mem["model_numel"]  # sharding shows: never the whole model at once
+    coll = s["collectives"]
+    assert coll["calls_per_step"] > 0 and coll["bytes_per_step"] > 0
+    assert "all_gather" in coll["per_step"]
     assert 0.0 <= s["comm_wait"]["share"] <= 1.0
-    assert s["trace"]["invalidations"] >= 0
-    assert s["timeline"]["events"] > 0 and s["timeline"]["demand_gathers"] >= 0
+    # the first step records the trace; every later one matches it
+    assert s["trace"] == {"state": "complete", "invalidations": 0}
+    timeline = s["timeline"]
+    assert timeline["step"] == steps - 1 and timeline["events"] > 0
+    assert timeline["peak_live_numel"] <= live["peak_live_numel"]
+    # Fetches of the last step that had to gather parameters themselves
+    # (prefetch had not brought them). Forward needs none. In backward the
+    # stock runtime issues no prefetch at all: during forward its prefetch
+    # frontier walks past the backward entries of the trace whose parameters
+    # are gathered at that moment, and nothing resets it before backward. So
+    # backward gathers the five it released in forward on demand:
+    # blocks.1.mlp.fc, blocks.1.attn.proj, blocks.1.attn.qkv,
+    # blocks.0.mlp.proj and tok_emb (the tied head's weight).
+    assert timeline["demand_gathers"] == 5
+    assert timeline["prefetches"] > 0
     assert s["sample"]["text"].startswith(train.DEFAULT_PROMPT)
     assert len(s["sample"]["text"]) == len(train.DEFAULT_PROMPT) + 40
 
@@ -276,10 +389,10 @@ def test_end_to_end_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str])
 
 
 def test_profile_window() -> None:
-    assert train._profile_window(1) == (-1, -1)
-    assert train._profile_window(2) == (1, 2)
-    assert train._profile_window(6) == (2, 2 + train.PROFILE_STEPS)
-    first, end = train._profile_window(400)
+    assert train.profile_window(1) == (-1, -1)
+    assert train.profile_window(2) == (1, 2)
+    assert train.profile_window(6) == (2, 2 + train.PROFILE_STEPS)
+    first, end = train.profile_window(400)
     assert end - first == train.PROFILE_STEPS and end < 400
 
 
@@ -311,5 +424,5 @@ def test_torchrun_launch_runs_in_this_process(
     s = json.loads((run / "summary.json").read_text())
     assert s["world"] == 1 and s["backend"] == "gloo" and s["training"]["steps"] == 3
     r0 = s["memory"]["per_rank"][0]
-    assert r0["param_shard_numel"] == s["memory"]["model_numel"]  # one rank holds everything
+    assert r0["current"]["param_shards"] == 4 * s["memory"]["model_numel"]  # one rank holds everything
     assert "loss" in capsys.readouterr().out

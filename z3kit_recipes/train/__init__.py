@@ -1,0 +1,128 @@
+"""Train a small character-level GPT with the stock ZeRO-3 recipe.
+
+    python -m z3kit_recipes.train [--nproc 2] [--steps N] [--model-size tiny|small|medium]
+        [--width W --layers L --heads H --seq-len T] [--batch-size B] [--lr LR]
+        [--config ds_or_z3kit.json] [--dtype fp32|bf16] [--seed S] [--out DIR]
+        [--plot] [--profile] [--sample-chars N] [--prompt TEXT] [--temperature T] [--corpus-chars N]
+
+    torchrun --nproc-per-node 8 -m z3kit_recipes.train [same options]
+
+The corpus is one that every machine has without a download: the Python
+standard library's own ``.py`` files (under ``os.path.dirname(os.__file__)``,
+read in sorted order up to ``--corpus-chars`` characters, test suites and
+installed packages left out). The vocabulary is its set of characters.
+Every rank reads the same corpus (checked by digest) and samples its own
+batches, seeded by ``(seed, rank, step)``.
+
+Launch: under ``torchrun`` (``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set)
+each process drives the device that ``z3kit.device.resolve_device`` picks
+(CUDA GPU with nccl, Ascend NPU with hccl, else CPU with gloo), one process
+per device. Otherwise the command spawns ``--nproc`` local CPU processes
+that talk over gloo on a free loopback port.
+
+Training goes through ``z3kit_recipes.zero3.initialize`` with the stock
+policies and AdamW on the fp32 master shards (linear warm-up, cosine decay
+to a tenth of ``--lr``). Without ``--config`` the runtime's size knobs are
+scaled to the model (see :func:`auto_sizes`); ``--config`` takes a DeepSpeed
+JSON or a z3kit JSON (see :mod:`z3kit_recipes.train.config`).
+
+Rank 0 shows a progress bar (loss, steps/s, tokens/s) and at the end prints
+a summary: loss at the start and end; per rank, the engine's memory by kind
+(parameter shards, gathered parameters, gradient buckets and partitions,
+fp32 masters, optimizer state) after the last step and at its peak over
+that step, against what one unsharded replica would hold, with the
+process's peak resident set (and the device allocator's peak on an
+accelerator); the memory plan when ``memory_budget`` is set; live gathered
+parameters against ``max_live_parameters``; collectives per step; the share
+of step time spent waiting on communication; trace invalidations; and a
+text sample from the trained model. The output folder gets
+``summary.json`` (the same figures as data) and ``loss_history.csv``;
+``--plot`` adds ``loss.png`` and ``live_params.png`` (live gathered
+parameters over one training step, module by module, with fetches,
+prefetches and releases marked); ``--profile`` adds ``trace_rank{r}.json``
+per rank, a torch.profiler trace of a few steps that opens in Perfetto or
+chrome://tracing, with the engine's labelled ranges (``z3kit.fetch
+<module>``, ``z3kit.release <module>``, ``z3kit.prefetch``,
+``z3kit.reduce_bucket``).
+
+tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
+
+Modules, in the order a run meets them: ``cli`` (options, ``main``),
+``config`` (model sizes, ``Zero3Config``), ``corpus`` (text, vocabulary,
+batches), ``spec`` (``RunSpec``, what every rank gets), ``launch`` (spawn or
+torchrun, the process group), ``job`` (one rank, corpus to summary),
+``loop`` (the training steps), ``profile`` (``--profile``), ``sample`` (text
+from the trained model), ``memory`` and ``report`` (the summary as records),
+``render`` (as text), ``plots`` (``--plot``), ``outputs`` (the folder,
+``loss_history.csv``), ``extras`` (the ``cli`` extra's imports).
+"""
+
+import sys
+
+from z3kit_recipes.launch import use_bytecode_cache
+
+# ``python -m z3kit_recipes.train`` imports this package (with sys.argv[0]
+# "-m" while it locates the command) before it runs ``__main__``: cache
+# bytecode before the imports below bring in torch (see use_bytecode_cache).
+# Spawned ranks get the cache through PYTHONPYCACHEPREFIX instead.
+if sys.argv[:1] == ["-m"]:
+    use_bytecode_cache()
+
+from z3kit_recipes.train.cli import (  # noqa: E402
+    DEFAULT_LR,
+    DEFAULT_PROMPT,
+    DEFAULT_STEPS,
+    build_parser,
+    main,
+    model_config_from_args,
+    parse_args,
+)
+from z3kit_recipes.train.config import (  # noqa: E402
+    MODEL_SIZES,
+    auto_sizes,
+    block_numel,
+    config_from_dict,
+    gpt_config,
+    load_config,
+)
+from z3kit_recipes.train.corpus import (  # noqa: E402
+    CharVocab,
+    Corpus,
+    corpus_files,
+    load_corpus,
+    sample_batch,
+    stdlib_root,
+)
+from z3kit_recipes.train.loop import lr_at  # noqa: E402
+from z3kit_recipes.train.profile import PROFILE_STEPS, profile_window  # noqa: E402
+from z3kit_recipes.train.render import render_summary  # noqa: E402
+from z3kit_recipes.train.report import Summary  # noqa: E402
+from z3kit_recipes.train.spec import RunSpec  # noqa: E402
+
+__all__ = [
+    "DEFAULT_LR",
+    "DEFAULT_PROMPT",
+    "DEFAULT_STEPS",
+    "MODEL_SIZES",
+    "PROFILE_STEPS",
+    "CharVocab",
+    "Corpus",
+    "RunSpec",
+    "Summary",
+    "auto_sizes",
+    "block_numel",
+    "build_parser",
+    "config_from_dict",
+    "corpus_files",
+    "gpt_config",
+    "load_config",
+    "load_corpus",
+    "lr_at",
+    "main",
+    "model_config_from_args",
+    "parse_args",
+    "profile_window",
+    "render_summary",
+    "sample_batch",
+    "stdlib_root",
+]

@@ -1,0 +1,182 @@
+"""What one rank does, from reading the corpus to the summary: the job that
+``launch`` runs in every process once the process group is up."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from z3kit.device import DeviceInfo
+from z3kit_recipes import zero3
+from z3kit_recipes.models import GPT
+from z3kit_recipes.train.corpus import CharVocab, Corpus, load_corpus
+from z3kit_recipes.train.loop import LoopResult, train_steps
+from z3kit_recipes.train.memory import MemoryFigures, RankMemory, Replica, peak_rss_bytes
+from z3kit_recipes.train.outputs import shared_out_dir, write_history
+from z3kit_recipes.train.plots import write_plots
+from z3kit_recipes.train.profile import trace_labels
+from z3kit_recipes.train.render import render_header, render_summary
+from z3kit_recipes.train.report import (
+    CollectiveFigures,
+    CommWait,
+    CorpusFigures,
+    LiveFigures,
+    LossFigures,
+    ProfileFigures,
+    SampleFigures,
+    Summary,
+    TimelineFigures,
+    TraceFigures,
+    TrainingFigures,
+)
+from z3kit_recipes.train.sample import generate
+from z3kit_recipes.train.spec import RunSpec
+from z3kit_recipes.zero3.params import TimelineEvent
+
+
+@attrs.frozen
+class _Trained:
+    """What every rank knows after the last step, gathered where it is per rank."""
+
+    loop: LoopResult
+    #: this rank's engine figures at the end of the last step (the summary reports rank 0's)
+    final: zero3.Zero3Stats
+    #: ``loss_table[rank][step]``
+    loss_table: list[list[float]]
+    memory: list[RankMemory]
+    timeline: list[TimelineEvent]
+    sample: SampleFigures
+
+
+def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: float) -> None:
+    """Train, gather every rank's figures, and (rank 0) write and print the summary."""
+    device = info.device
+    out = shared_out_dir(spec.out, rank, device)
+    corpus = load_corpus(spec.corpus_chars)
+    check_same_corpus(corpus, spec, device)
+    vocab = CharVocab.from_text(corpus.text)
+    if len(vocab) != spec.model.vocab_size:
+        raise RuntimeError(f"vocabulary has {len(vocab)} characters, the model {spec.model.vocab_size}")
+    data = vocab.tokens(corpus.text)
+
+    torch.manual_seed(spec.seed)
+    lr = spec.lr
+    engine = zero3.initialize(
+        GPT(spec.model), lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95)), spec.config
+    )
+    if rank == 0:
+        print(render_header(spec, corpus, vocab, engine.stats(), world, info, str(out)), flush=True)
+    trained = _train_and_gather(engine, data, spec, vocab, rank, world, out)
+    if rank == 0:
+        _report(spec, corpus, vocab, world, info, out, trained, total_s=time.perf_counter() - started)
+
+
+def _train_and_gather(
+    engine: zero3.Zero3Engine, data: torch.Tensor, spec: RunSpec, vocab: CharVocab, rank: int, world: int, out: Path
+) -> _Trained:
+    loop = train_steps(engine, data, spec, rank, world, out)
+    # read before anything else runs: the engine's peaks cover the last step,
+    # and the full state dict below would add a whole model to the resident set
+    final = engine.stats()
+    mine = RankMemory.of(rank, final.memory, peak_rss=peak_rss_bytes(), peak_live_numel=loop.tally.peak_live)
+    device = engine.device
+    losses = gather_rows(torch.tensor(loop.losses, dtype=torch.float32, device=device), world)
+    memory = gather_rows(mine.to_row().to(device), world)
+
+    # full weights on every rank (collective), generated on rank 0
+    text, sample_s = "", 0.0
+    if spec.sample_chars > 0:
+        t_sample = time.perf_counter()
+        state = engine.full_state_dict()
+        if rank == 0:
+            text = generate(spec, vocab, state)
+        sample_s = time.perf_counter() - t_sample
+    return _Trained(
+        loop=loop,
+        final=final,
+        loss_table=[[float(v) for v in row.tolist()] for row in losses],
+        memory=[RankMemory.from_row(r, [int(v) for v in row.tolist()]) for r, row in enumerate(memory)],
+        timeline=list(engine.timeline),
+        sample=SampleFigures(spec.prompt, spec.sample_chars, spec.temperature, text, sample_s),
+    )
+
+
+def _report(
+    spec: RunSpec,
+    corpus: Corpus,
+    vocab: CharVocab,
+    world: int,
+    info: DeviceInfo,
+    out: Path,
+    trained: _Trained,
+    *,
+    total_s: float,
+) -> None:
+    """Rank 0: the output files, ``summary.json`` and the printed summary."""
+    final, loop = trained.final, trained.loop
+    write_history(out / "loss_history.csv", trained.loss_table, loop.lrs)
+    files = ["loss_history.csv"]
+    if spec.plot:
+        files += write_plots(out, trained.loss_table, trained.timeline, final.max_live_parameters, final.model_numel)
+    profile: ProfileFigures | None = None
+    if spec.profile:
+        traces = [t.name for t in sorted(out.glob("trace_rank*.json"))]
+        files += traces
+        steps = list(range(*loop.profile_window))
+        profile = ProfileFigures(steps, traces, trace_labels(out / "trace_rank0.json"))
+    memory = MemoryFigures(
+        model_numel=final.model_numel,
+        per_rank=trained.memory,
+        replica=Replica.of(final.model_numel, spec.config.torch_dtype),
+        plan=None if final.memory_plan is None else final.memory_plan.describe(),
+    )
+    summary = Summary(
+        command="python -m z3kit_recipes.train " + " ".join(spec.argv),
+        out=str(out),
+        world=world,
+        backend=info.backend,
+        device=str(info.device),
+        threads_per_rank=torch.get_num_threads(),
+        corpus=CorpusFigures.of(corpus, len(vocab)),
+        model=spec.model,
+        config_source=spec.config_source,
+        config=spec.config,
+        training=TrainingFigures.of(spec, loop, world, total_s),
+        loss=LossFigures.of(trained.loss_table),
+        memory=memory,
+        live=LiveFigures.of(final, memory),
+        collectives=CollectiveFigures.of(final),
+        comm_wait=CommWait.of(loop.tally),
+        trace=TraceFigures(final.trace_state, final.trace_invalidations),
+        timeline=TimelineFigures.of(trained.timeline, len(loop.losses)),
+        sample=trained.sample,
+        profile=profile,
+        files=[*files, "summary.json"],
+    )
+    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
+    print(render_summary(summary), flush=True)
+
+
+def check_same_corpus(corpus: Corpus, spec: RunSpec, device: torch.device) -> None:
+    """Every rank must train on rank 0's corpus (the parent's, when spawned)."""
+    mine = torch.tensor(list(bytes.fromhex(corpus.digest)[:8]), dtype=torch.int64, device=device)
+    ref = mine.clone()
+    dist.broadcast(ref, 0)
+    expected = spec.corpus_digest == corpus.digest
+    if not (bool(torch.equal(mine, ref)) and expected):
+        raise RuntimeError(
+            f"rank {dist.get_rank()} read a different corpus from {corpus.root} than rank 0 "
+            "(different Python installations?); run every rank with the same Python"
+        )
+
+
+def gather_rows(row: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's ``row`` (same length and dtype on all ranks), by rank, on the CPU."""
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    return [r.cpu() for r in rows]

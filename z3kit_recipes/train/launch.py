@@ -1,0 +1,132 @@
+"""Starting the ranks: spawned local CPU processes over gloo, or the
+process ``torchrun`` started; the process group around each rank's job.
+
+Under ``torchrun`` (``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set) each
+process drives the device that ``z3kit.device.resolve_device`` picks (CUDA
+GPU with nccl, Ascend NPU with hccl, else CPU with gloo), one process per
+device. Otherwise the command spawns local CPU processes that talk over
+gloo on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+from z3kit.device import DeviceInfo, resolve_device
+from z3kit_recipes.launch import PYCACHE_DIR, free_port, use_bytecode_cache
+from z3kit_recipes.train.job import run_job
+from z3kit_recipes.train.spec import RunSpec
+
+# torch leaves spawn untyped; bind it once with the type used here.
+_spawn: Callable[..., Any] = getattr(mp, "spawn")
+
+#: how long a collective waits for the other ranks before it fails
+GROUP_TIMEOUT = timedelta(seconds=600)
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) when launched by torchrun, else None."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(k in os.environ for k in keys):
+        return None
+    try:
+        rank, world, local = (int(os.environ[k]) for k in keys)
+    except ValueError:
+        raise ValueError(f"torchrun environment is malformed: {[os.environ[k] for k in keys]}") from None
+    return rank, world, local
+
+
+def run_under_torchrun(spec: RunSpec, rank: int, world: int, local_rank: int) -> None:
+    """This process is one of torchrun's ranks: run the job here."""
+    run_rank(spec, rank, world, resolve_device(local_rank), spawned=False)
+
+
+def spawn_ranks(spec: RunSpec, nproc: int) -> int:
+    """Run the job on ``nproc`` spawned local CPU processes; the exit status
+    (1 with the failing rank's error on stderr when one fails)."""
+    spec = attrs.evolve(spec, port=free_port(), threads=max(1, _cpu_count() // nproc))
+    # the ranks read torch's bytecode from the cache before they run any code of ours
+    rank_env = {"OMP_NUM_THREADS": str(spec.threads), "PYTHONPYCACHEPREFIX": sys.pycache_prefix or PYCACHE_DIR}
+    try:
+        with _environment(rank_env):
+            # spawn pickles the entry point by its module's name: this
+            # module, importable in the child, never a __main__
+            _spawn(_spawned_rank, args=(spec, nproc), nprocs=nproc, join=True)
+    except ProcessRaisedException as exc:
+        print(f"error: a rank failed:\n{exc}", file=sys.stderr)
+        return 1
+    except ProcessExitedException as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spawned_rank(rank: int, spec: RunSpec, world: int) -> None:
+    faulthandler.enable()  # a rank that dies on a signal says where
+    use_bytecode_cache()
+    run_rank(spec, rank, world, resolve_device(prefer="cpu"), spawned=True)
+
+
+def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned: bool) -> None:
+    """One rank: join the process group, run the job, leave together."""
+    started = time.perf_counter()
+    if spawned:
+        torch.set_num_threads(spec.threads)
+    _init_group(spec, rank, world, info, spawned)
+    try:
+        run_job(spec, rank, world, info, started)
+        # tear down together: a rank that leaves while rank 0 still writes the
+        # summary has been seen to abort in gloo's teardown under load
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _init_group(spec: RunSpec, rank: int, world: int, info: DeviceInfo, spawned: bool) -> None:
+    if info.is_accelerator:
+        torch.get_device_module(info.type).set_device(info.device)
+    if spawned:
+        dist.init_process_group(
+            info.backend,
+            init_method=f"tcp://127.0.0.1:{spec.port}",
+            rank=rank,
+            world_size=world,
+            timeout=GROUP_TIMEOUT,
+        )
+    else:
+        dist.init_process_group(info.backend, timeout=GROUP_TIMEOUT)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Environment variables set for the block (spawned processes inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old

@@ -1,0 +1,49 @@
+"""The run's output folder and the files the job writes there besides the
+summary and the pictures."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def default_out() -> Path:
+    """``./runs/<timestamp>``, with a suffix when that exists already."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path("runs") / stamp
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path("runs") / f"{stamp}-{n}"
+    return out
+
+
+def shared_out_dir(out: str | None, rank: int, device: torch.device) -> Path:
+    """The output folder, the same on every rank (collective): ``out``, or
+    rank 0's :func:`default_out` when it is None (torchrun without ``--out``).
+    Rank 0 creates it before any rank goes on."""
+    chosen: list[Any] = [out if out is not None else (str(default_out()) if rank == 0 else None)]
+    if out is None:
+        dist.broadcast_object_list(chosen, 0, device=device)
+    path = Path(chosen[0])
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+def write_history(path: Path, loss_table: Sequence[Sequence[float]], lrs: Sequence[float]) -> None:
+    """``loss_history.csv``: per step, the learning rate, the mean loss and each rank's."""
+    world = len(loss_table)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr", "loss_mean", *(f"loss_rank{r}" for r in range(world))])
+        for step, lr in enumerate(lrs):
+            per_rank = [loss_table[r][step] for r in range(world)]
+            writer.writerow([step, f"{lr:.6g}", f"{sum(per_rank) / world:.6f}", *(f"{v:.6f}" for v in per_rank)])

@@ -1,0 +1,44 @@
+"""``RunSpec``: the run as the command line settled it, sent to every rank."""
+
+from __future__ import annotations
+
+import attrs
+
+from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.zero3.config import Zero3Config
+
+
+@attrs.frozen
+class RunSpec:
+    """Everything a rank needs; plain data, picklable for spawn."""
+
+    model: GPTConfig
+    config: Zero3Config
+    #: where ``config`` came from, for the header and the summary
+    config_source: str
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    #: the output folder; None under torchrun without ``--out`` (rank 0 picks one)
+    out: str | None
+    plot: bool
+    profile: bool
+    sample_chars: int
+    prompt: str
+    temperature: float
+    corpus_chars: int
+    #: the parent's corpus digest: every rank must read the same text
+    corpus_digest: str
+    #: loopback port of the spawned gloo group (None under torchrun)
+    port: int | None = None
+    threads: int = 1
+    argv: tuple[str, ...] = ()
+
+    @property
+    def micro_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def tokens_per_step(self, world: int) -> int:
+        """Tokens one optimizer step trains on, over all ranks."""
+        return self.batch_size * self.model.seq_len * self.micro_steps * world
