@@ -109,7 +109,9 @@ class ParamCoordinator:
         self._holders: set[nn.Module] = set()
         self._fetch_step: dict[nn.Module, int] = {}
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
-        self._frontier = 0  # trace index up to which prefetch has looked
+        #: trace index up to which prefetch has looked; everything before it is
+        #: gathered or in flight (a release moves it back, see ``_free``)
+        self._frontier = 0
         self.names = {m: name or "<root>" for name, m in _named(module_params)}
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
@@ -232,6 +234,12 @@ class ParamCoordinator:
             shard.release()
             self.limiter.on_release(self.numels[pid])
             self.memory.free(MemoryKind.GATHERED_PARAMS, self._gathered_bytes[pid])
+            if self._steps is not None:
+                # prefetch looked past this parameter's next use while it was
+                # gathered: that use needs it again, so look there again
+                nxt = self.trace.next_use(pid, self.trace.step - 1)
+                if nxt is not None and nxt < self._frontier:
+                    self._frontier = nxt
 
     def params_in(self, output: Any) -> set[int]:
         """Managed parameters that appear in a module's output."""
