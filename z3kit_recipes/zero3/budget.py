@@ -10,15 +10,17 @@ at hand.
 Note: how the budget is split.
     Gathered parameters live through forward and backward; gradient buckets
     only during backward, at the same time as the parameters gathered for
-    it. A quarter of the budget goes to the buckets (split between the two
-    that alternate under ``overlap_comm``), three quarters to gathered
-    parameters: ``max_live_parameters``. A parameter is kept for reuse only
-    when its reuse comes within that same window (``max_reuse_distance``),
-    and one prefetch may take half of it, so that the next prefetch can
-    start while the module that needed the last one runs. A running
-    module's own parameters are gathered whatever the budget: when the
-    largest module needs more than three quarters of it, the plan says so,
-    and that module sets the floor.
+    it. Persistent parameters (under ``param_persistence_threshold``) stay
+    gathered all the time and come off the top. Of the rest, a quarter goes
+    to the buckets (split between the two that alternate under
+    ``overlap_comm``) and three quarters to gathered parameters: with the
+    persistent ones, ``max_live_parameters``. A parameter is kept for reuse only when its
+    reuse comes within that same window (``max_reuse_distance``). One
+    prefetch may take a quarter of it: a coalesced gather holds its output
+    buffer and the parameters it fills at once, twice its size, for a
+    moment. A running module's own parameters are gathered whatever the
+    budget: when the largest module, or the persistent parameters, need
+    more than the budget leaves, the plan says so and they set the floor.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class MemoryPlan:
     reduce_bucket_size: int
     #: the largest single module fetch, gathered whole whatever the budget
     largest_fetch_numel: int
+    #: parameters that stay gathered all the time (under the persistence threshold)
+    persistent_numel: int
     #: bytes the plan bounds gathered parameters and buckets to: the budget, or
     #: more when the largest module alone needs more
     bound_bytes: int
@@ -61,6 +65,8 @@ class MemoryPlan:
             f"max_reuse_distance={self.max_reuse_distance:,}, prefetch_bucket_size={self.prefetch_bucket_size:,}, "
             f"reduce_bucket_size={self.reduce_bucket_size:,} elements"
         )
+        if self.persistent_numel:
+            text += f"; {self.persistent_numel:,} persistent elements stay gathered"
         if self.bound_bytes > self.budget_bytes:
             text += (
                 f"; the largest module needs {self.largest_fetch_numel:,} elements gathered at once, "
@@ -82,6 +88,7 @@ def plan_memory(
     model_numel: int,
     element_size: int,
     largest_fetch_numel: int,
+    persistent_numel: int,
     world: int,
     buckets: int,
 ) -> MemoryPlan:
@@ -94,17 +101,19 @@ def plan_memory(
     if buckets < 1 or world < 1 or element_size < 1:
         raise ValueError(f"need buckets, world and element_size >= 1, got {buckets}, {world}, {element_size}")
     total = budget_bytes(budget, model_numel, element_size)
-    elements = total // element_size
-    per_bucket = max(world, elements // (4 * buckets))
-    live = max(1, elements - per_bucket * buckets)
-    bound = max(live, largest_fetch_numel) + per_bucket * buckets
+    spare = max(0, total // element_size - persistent_numel)
+    per_bucket = max(world, spare // (4 * buckets))
+    live = max(1, spare - per_bucket * buckets)
+    bound = persistent_numel + max(live, largest_fetch_numel) + per_bucket * buckets
     return MemoryPlan(
         budget_bytes=total,
         element_size=element_size,
-        max_live_parameters=live,
+        # the live count includes the persistent parameters; reuse distances do not
+        max_live_parameters=persistent_numel + live,
         max_reuse_distance=live,
-        prefetch_bucket_size=max(1, live // 2),
+        prefetch_bucket_size=max(1, live // 4),
         reduce_bucket_size=per_bucket,
         largest_fetch_numel=largest_fetch_numel,
+        persistent_numel=persistent_numel,
         bound_bytes=max(total, bound * element_size),
     )

@@ -698,6 +698,7 @@ def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module],
         model_numel=sum(p.numel() for p in params),
         element_size=config.torch_dtype.itemsize,
         largest_fetch_numel=max(sum(params[p].numel() for p in pids) for pids in groups.values()),
+        persistent_numel=sum(p.numel() for p in params if p.numel() < config.param_persistence_threshold),
         world=world,
         buckets=2 if config.overlap_comm else 1,
     )

@@ -90,8 +90,9 @@ class ParamCoordinator:
     ) -> None:
         self.shards = list(shards)
         self.memory = memory
+        self._element_size = self.shards[0].shard.element_size()
         #: bytes of each parameter's gathered storage (its padded full size)
-        self._gathered_bytes = [s.padded_numel * s.shard.element_size() for s in self.shards]
+        self._gathered_bytes = [s.padded_numel * self._element_size for s in self.shards]
         self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
         self.numels = [s.numel for s in self.shards]
         self.persistent = [policy.is_persistent(n) for n in self.numels]
@@ -135,10 +136,14 @@ class ParamCoordinator:
         self.memory.allocate(MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[p] for p in pids))
         with self.streams.on_comm():
             handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=async_op, log=self.log)
+        # a coalesced gather's output buffer lives until its copy-out (in wait)
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
         if async_op:
             for p in pids:
                 self._handles[p] = handle
         else:
+            self.streams.compute_wait_comm()
+            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
             self.limiter.on_gather_done()
         return handle
 
@@ -150,6 +155,7 @@ class ParamCoordinator:
         self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
             self._handles.pop(self.index[id(s.param)], None)
+        self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
         self.limiter.on_gather_done()
 
     def ensure_gathered(self, pids: Iterable[int]) -> None:
