@@ -174,3 +174,25 @@ def test_gpt_workload_targets_are_shifted_inputs() -> None:
 def test_make_workload_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("huge")
+
+
+def test_llama_workload_builds_the_hf_model_seeded() -> None:
+    pytest.importorskip("transformers")
+    from z3kit_recipes.models import LlamaWorkload
+
+    wl = make_workload("llama")
+    assert isinstance(wl, LlamaWorkload) and isinstance(wl, Workload)
+    a, b = wl.build_model(), wl.build_model()
+    assert type(a).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in a.parameters()) == 75_510_528  # 288 MiB in fp32
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    del b
+    assert len(wl.blocks(a)) == 8
+    x, y = wl.batch(rank=0, step=0)
+    assert x.shape == y.shape == (4, 64)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(x, wl.batch(rank=1, step=0)[0])
+    with torch.no_grad():
+        loss = wl.loss(a(x[:1, :8]), y[:1, :8])
+    assert loss.dim() == 0 and torch.isfinite(loss)

@@ -19,16 +19,20 @@ Two models:
     parameter owned by a child.
 
 A *workload* bundles a model recipe with its data and loss so that every
-runtime trains the very same thing: :class:`TinyWorkload` and
-:class:`GPTWorkload` (see :func:`make_workload`). Model weights are seeded
-(identical on every rank and every runtime); each batch is seeded by
-``(seed, rank, step)``, so ranks see different data and reruns see the same.
+runtime trains the very same thing: :class:`TinyWorkload`,
+:class:`GPTWorkload` and :class:`LlamaWorkload` (a Hugging Face
+``LlamaForCausalLM`` built from its config, nothing downloaded; needs
+``transformers``, imported only when the model is built). See
+:func:`make_workload`. Model weights are seeded (identical on every rank and
+every runtime); each batch is seeded by ``(seed, rank, step)``, so ranks see
+different data and reruns see the same.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final, Literal, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -38,8 +42,8 @@ from torch import nn
 TieMode = Literal["hf", "functional"]
 TIE_MODES: Final[tuple[TieMode, ...]] = ("hf", "functional")
 
-WorkloadName = Literal["tiny", "gpt"]
-WORKLOAD_NAMES: Final[tuple[WorkloadName, ...]] = ("tiny", "gpt")
+WorkloadName = Literal["tiny", "gpt", "llama"]
+WORKLOAD_NAMES: Final[tuple[WorkloadName, ...]] = ("tiny", "gpt", "llama")
 
 _INIT_STD: Final = 0.02
 
@@ -337,8 +341,9 @@ class Workload(Protocol):
         """``(input, target)`` for ``rank`` at ``step``, seeded by both."""
         ...
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Scalar loss of the model's output against the target."""
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """Scalar loss of the model's output (a tensor, or a Hugging Face
+        output with ``.logits``) against the target."""
         ...
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -346,10 +351,23 @@ class Workload(Protocol):
         ...
 
 
-def _build_seeded(seed: int, build: type[nn.Module], *args: object) -> nn.Module:
+def _build_seeded(seed: int, build: Callable[..., nn.Module], *args: object) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build(*args)
+
+
+def _next_token_batch(
+    seed: int, rank: int, step: int, vocab_size: int, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(batch, seq_len)`` token ids and the same sequences shifted by one."""
+    gen = _seeded_generator(seed, rank, step)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 @attrs.frozen
@@ -405,23 +423,82 @@ class GPTWorkload:
         return model
 
     def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = _seeded_generator(self.seed, rank, step)
-        tokens = torch.randint(
-            0, self.config.vocab_size, (self.batch_size, self.config.seq_len + 1), generator=gen
+        return _next_token_batch(
+            self.seed, rank, step, self.config.vocab_size, self.batch_size, self.config.seq_len
         )
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
+        return _next_token_loss(output, target)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return [m for m in model.modules() if isinstance(m, Block)]
 
 
+#: the shape of :class:`LlamaWorkload`'s model, as ``transformers.LlamaConfig``
+#: arguments: 75,510,528 parameters (288 MiB in fp32), untied embeddings,
+#: grouped-query attention (12 query heads, 4 key/value heads).
+LLAMA_CONFIG: Final[dict[str, Any]] = {
+    "vocab_size": 16384,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    # training only: no key/value cache to build and drop at every forward
+    "use_cache": False,
+    # F.scaled_dot_product_attention: runs on CPU under every runtime of the benchmark
+    "attn_implementation": "sdpa",
+}
+
+
+@attrs.frozen
+class LlamaWorkload:
+    """Hugging Face ``LlamaForCausalLM`` (:data:`LLAMA_CONFIG`) on random
+    token sequences, next-token cross-entropy on ``model(input_ids).logits``.
+
+    Built from its config (nothing is downloaded); ``transformers`` is
+    imported by :meth:`build_model` only.
+    """
+
+    batch_size: int = attrs.field(default=4, validator=_positive_int)
+    seq_len: int = attrs.field(default=64, validator=_positive_int)
+    seed: int = attrs.field(default=0, validator=_non_negative_int)
+
+    @property
+    def name(self) -> str:
+        return "llama"
+
+    @property
+    def vocab_size(self) -> int:
+        vocab: int = LLAMA_CONFIG["vocab_size"]
+        return vocab
+
+    def build_model(self) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**LLAMA_CONFIG)
+        return _build_seeded(self.seed, LlamaForCausalLM, config)
+
+    def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _next_token_batch(self.seed, rank, step, self.vocab_size, self.batch_size, self.seq_len)
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = output.logits
+        return _next_token_loss(logits, target)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        layers: nn.ModuleList = getattr(model, "model").layers
+        return list(layers)
+
+
 def make_workload(name: str, *, tie_mode: TieMode = "hf", seed: int = 0) -> Workload:
-    """The named stock workload: ``"tiny"`` or ``"gpt"`` (``tie_mode`` is GPT's)."""
+    """The named stock workload: ``"tiny"``, ``"gpt"`` or ``"llama"`` (``tie_mode`` is GPT's)."""
     if name == "tiny":
         return TinyWorkload(seed=seed)
     if name == "gpt":
         return GPTWorkload(config=GPTConfig(tie_mode=tie_mode), seed=seed)
+    if name == "llama":
+        return LlamaWorkload(seed=seed)
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOAD_NAMES}")

@@ -1,0 +1,130 @@
+"""Runtimes under test, each wrapped as a ``Runner``: one model trained by
+one runtime on one rank, built inside a spawned rank.
+
+``build_runner`` picks the runner for a ``RunSpec``; ``available_runtimes``
+says, in the parent, which runtimes can run here and why not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from z3kit_recipes.bench.spec import JSON, RuntimeName, RunSpec
+from z3kit_recipes.models import Workload
+
+
+class Runner(Protocol):
+    """One runtime wrapped around one model, on one rank."""
+
+    #: elements of the model's parameters (counted before sharding)
+    total_params: int
+    #: how ``peak_live_params`` is obtained (shown in the JSON)
+    peak_method: str
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns the detached loss."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for communication this rank still has in flight (before a profiler stops)."""
+        ...
+
+    def start_probe(self) -> None:
+        """Begin tracking live gathered parameters (untimed steps only)."""
+        ...
+
+    def stop_probe(self) -> None: ...
+
+    def peak_live_params(self) -> int | None:
+        """Peak gathered parameter elements seen while probing, if measurable."""
+        ...
+
+    def engine_report(self) -> JSON | None:
+        """The runtime's own figures of its last step, if it has any."""
+        ...
+
+    def engine_collectives(self) -> dict[str, int] | None:
+        """Collective calls per kind in the last step, by the runtime's own count."""
+        ...
+
+
+def engine_step(engine: Any, wl: Workload, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step of a DeepSpeed-style engine (DeepSpeed's and z3kit's share the interface)."""
+    loss = wl.loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
+
+
+def build_runner(spec: RunSpec, wl: Workload, group: dist.ProcessGroup) -> Runner:
+    """The runner of ``spec.runtime``; builds the model and wraps it."""
+    if spec.runtime == "ddp":
+        from z3kit_recipes.bench.runners.torch_native import DDPRunner
+
+        return DDPRunner(wl, group)
+    if spec.runtime in ("fsdp2", "fsdp2-noreshard"):
+        from z3kit_recipes.bench.runners.torch_native import FSDP2Runner
+
+        return FSDP2Runner(wl, group, reshard_after_forward=spec.runtime == "fsdp2")
+    if spec.runtime == "deepspeed":
+        from z3kit_recipes.bench.runners.deepspeed_zero3 import DeepSpeedRunner
+
+        return DeepSpeedRunner(wl, spec.world, spec.zero)
+    from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, budget_config, shared_config
+
+    config = budget_config(spec.zero, spec.budget) if spec.runtime == "z3kit-budget" else shared_config(spec.zero)
+    return Z3kitRunner(wl, group, config)
+
+
+#: modules a runtime imports lazily, imported by a rank before its memory baseline
+RUNTIME_MODULES: dict[RuntimeName, tuple[str, ...]] = {
+    "ddp": ("torch.nn.parallel",),
+    "fsdp2": ("torch.distributed.fsdp", "torch.distributed.device_mesh"),
+    "fsdp2-noreshard": ("torch.distributed.fsdp", "torch.distributed.device_mesh"),
+    "deepspeed": (
+        "deepspeed",
+        "deepspeed.runtime.zero.partitioned_param_coordinator",
+        "deepspeed.runtime.zero.partition_parameters",
+    ),
+    "z3kit": ("z3kit_recipes.zero3",),
+    "z3kit-budget": ("z3kit_recipes.zero3",),
+}
+
+
+def _import_optional(name: str) -> tuple[Any | None, str]:
+    """``(module, "")`` or ``(None, reason)`` without letting the error escape."""
+    try:
+        return importlib.import_module(name), ""
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def unavailable_reason(runtime: RuntimeName) -> str:
+    """"" when ``runtime`` can run here, else the reason it cannot.
+
+    Run in the parent process. DeepSpeed is imported here (with
+    ``DS_ACCELERATOR=cpu`` unless set) so that a broken install is skipped
+    with its error rather than failing inside the ranks.
+    """
+    if runtime in ("fsdp2", "fsdp2-noreshard"):
+        fsdp, why = _import_optional("torch.distributed.fsdp")
+        if fsdp is None or not hasattr(fsdp, "fully_shard"):
+            return f"torch.distributed.fsdp.fully_shard unavailable ({why or 'no fully_shard'})"
+    elif runtime == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed is not installed"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _, why = _import_optional("deepspeed")
+        if why:
+            return f"deepspeed not importable ({why})"
+    elif runtime in ("z3kit", "z3kit-budget"):
+        _, why = _import_optional("z3kit_recipes.zero3")
+        if why:
+            return f"z3kit_recipes.zero3 not importable ({why})"
+    return ""

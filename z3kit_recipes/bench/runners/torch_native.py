@@ -1,0 +1,146 @@
+"""PyTorch's own runtimes: DDP (a full replica per rank) and FSDP2 (``fully_shard``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from z3kit_recipes.bench.spec import JSON, LR
+from z3kit_recipes.models import Workload
+
+# torch's stubs leave Tensor.backward untyped; bind it once with the type used here.
+_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+
+
+class _TorchOptimizerStep:
+    """Zero-grad, forward, loss, backward and ``torch.optim.Adam`` step of a wrapped model."""
+
+    def __init__(self, wl: Workload, model: nn.Module) -> None:
+        self.wl = wl
+        self.model = model
+        self.opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.wl.loss(self.model(x), y)
+        _backward(loss)
+        self.opt.step()
+        return loss.detach()
+
+    def synchronize(self) -> None:
+        """Nothing in flight: both runtimes wait for their collectives inside the step."""
+
+    def engine_report(self) -> JSON | None:
+        return None
+
+    def engine_collectives(self) -> dict[str, int] | None:
+        return None
+
+
+class DDPRunner(_TorchOptimizerStep):
+    peak_method = "full replica: every parameter is resident on every rank"
+
+    def __init__(self, wl: Workload, group: dist.ProcessGroup) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = wl.build_model()
+        self.total_params = sum(p.numel() for p in model.parameters())
+        super().__init__(wl, DistributedDataParallel(model, process_group=group))
+
+    def start_probe(self) -> None:
+        pass
+
+    def stop_probe(self) -> None:
+        pass
+
+    def peak_live_params(self) -> int | None:
+        return self.total_params
+
+
+class FSDP2Runner(_TorchOptimizerStep):
+    """``fully_shard`` on each of the workload's blocks, then on the root.
+
+    With ``reshard_after_forward=False`` a module's parameters stay gathered
+    from its forward to its backward (ZeRO-2-like memory for parameters,
+    no second all-gather in backward).
+    """
+
+    peak_method = (
+        "sampled after every unshard/wait_for_unshard of the model's FSDPParamGroups: "
+        "elements of groups unsharded or with an all-gather in flight"
+    )
+
+    def __init__(self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = wl.build_model()
+        self.total_params = sum(p.numel() for p in model.parameters())
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in wl.blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        super().__init__(wl, model)
+        self._probe = _FSDP2LiveProbe(model)
+
+    def start_probe(self) -> None:
+        self._probe.start()
+
+    def stop_probe(self) -> None:
+        self._probe.stop()
+
+    def peak_live_params(self) -> int | None:
+        return self._probe.peak
+
+
+class _FSDP2LiveProbe:
+    """Peak unsharded elements, sampled whenever a param group unshards.
+
+    Reads FSDP2 internals (``_get_fsdp_state``, ``_fsdp_param_group``,
+    ``_all_gather_result``): FSDP2 has no public figure for this. They stay
+    inside this class.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        # (param group, its unsharded elements) for every FSDP module of the model.
+        self._groups: list[tuple[Any, int]] = []
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                pg = m._get_fsdp_state()._fsdp_param_group
+                if pg is not None:
+                    n = sum(fp.sharded_param.size().numel() for fp in pg.fsdp_params)
+                    self._groups.append((pg, n))
+        self.peak = 0
+
+    def _sample(self) -> None:
+        live = sum(n for pg, n in self._groups if pg.is_unsharded or pg._all_gather_result is not None)
+        self.peak = max(self.peak, live)
+
+    def _wrap(self, pg: Any, name: str) -> None:
+        orig: Callable[..., Any] = getattr(pg, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            self._sample()
+            return out
+
+        setattr(pg, name, wrapped)  # instance attribute shadows the class method
+
+    def start(self) -> None:
+        self.peak = 0
+        self._sample()
+        for pg, _ in self._groups:
+            self._wrap(pg, "unshard")
+            self._wrap(pg, "wait_for_unshard")
+
+    def stop(self) -> None:
+        for pg, _ in self._groups:
+            for name in ("unshard", "wait_for_unshard"):
+                if name in vars(pg):
+                    delattr(pg, name)

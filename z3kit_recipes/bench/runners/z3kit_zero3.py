@@ -1,0 +1,95 @@
+"""z3kit's stock ZeRO-3 runtime (``z3kit_recipes.zero3``), with the shared
+knobs or with a memory budget that derives them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from z3kit_recipes.bench.runners import engine_step
+from z3kit_recipes.bench.spec import JSON, LR
+from z3kit_recipes.models import Workload
+from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
+from z3kit_recipes.zero3.config import BUDGET_DERIVED
+
+
+def shared_config(zero: JSON) -> Zero3Config:
+    """The shared ``zero_optimization`` section, as DeepSpeed gets it."""
+    return Zero3Config.from_deepspeed({"zero_optimization": zero})
+
+
+def budget_config(zero: JSON, budget: int | float) -> Zero3Config:
+    """The shared section with ``memory_budget=budget`` in place of the knobs it derives.
+
+    The derived knobs go back to their defaults (the config refuses a budget
+    next to a knob set by hand); everything else (persistence threshold,
+    overlap, ...) stays as shared.
+    """
+    defaults: dict[str, Any] = {f.name: f.default for f in attrs.fields(Zero3Config) if f.name in BUDGET_DERIVED}
+    return attrs.evolve(shared_config(zero), memory_budget=budget, **defaults)
+
+
+class Z3kitRunner:
+    peak_method = "z3kit engine.stats().peak_live_numel"
+
+    def __init__(self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config) -> None:
+        self.wl = wl
+        model = wl.build_model()
+        self.total_params = sum(p.numel() for p in model.parameters())
+
+        def make_optimizer(params: Any) -> torch.optim.Optimizer:
+            return torch.optim.Adam(params, lr=LR)
+
+        self.engine = initialize(model, optimizer=make_optimizer, config=config, process_group=group)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return engine_step(self.engine, self.wl, x, y)
+
+    def synchronize(self) -> None:
+        self.engine.synchronize()
+
+    def start_probe(self) -> None:
+        pass  # the engine keeps its own high-water of gathered elements
+
+    def stop_probe(self) -> None:
+        pass
+
+    def peak_live_params(self) -> int | None:
+        return self.engine.stats().peak_live_numel
+
+    def engine_report(self) -> JSON | None:
+        return stats_report(self.engine.stats(), self.engine.config)
+
+    def engine_collectives(self) -> dict[str, int] | None:
+        return {kind: c["calls"] for kind, c in self.engine.stats().collectives.items() if c["calls"]}
+
+
+def stats_report(stats: Zero3Stats, config: Zero3Config) -> JSON:
+    """The figures of ``engine.stats()`` the report keeps, as JSON."""
+    memory = stats.memory
+    plan = stats.memory_plan
+    return {
+        "config": attrs.asdict(config),
+        "model_numel": stats.model_numel,
+        "peak_live_numel": stats.peak_live_numel,
+        "max_live_parameters": stats.max_live_parameters,
+        "largest_fetch_numel": stats.largest_fetch_numel,
+        "collectives": stats.collectives,
+        "comm_wait_s": stats.comm_wait_s,
+        "step_time_s": stats.step_time_s,
+        "memory": {
+            "current_bytes": dict(memory.current),
+            "peak_bytes": dict(memory.peak),
+            "current_total_bytes": memory.current_total,
+            "peak_total_bytes": memory.peak_total,
+            "device_peak_bytes": memory.device_peak,
+        },
+        "memory_plan": None if plan is None else {
+            **attrs.asdict(plan),
+            "knobs": plan.knobs(),
+            "describe": plan.describe(),
+        },
+    }
