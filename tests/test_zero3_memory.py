@@ -19,9 +19,8 @@ import torch
 from tests.errors import error_of
 from tests.zero3_models import WORKLOADS, Case, assert_pair, build_pair, engine_micro_step, finish, new_result, train_steps
 from z3kit.memory import MemoryKind, MemoryLedger
-from z3kit_recipes.zero3.budget import plan_memory
+from z3kit_recipes.zero3.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
 from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.grads import BUCKET_FLOOR_NUMEL, bucket_capacity
 from z3kit_recipes.zero3.layout import CHUNK_NUMEL
 
 SHARDED = {"param_persistence_threshold": 0}
@@ -61,10 +60,7 @@ def run_lifecycle(ctx: Any, dtype: str) -> dict[str, Any]:
     out["after_step"] = dict(stats.memory.current)
     out["peak_of_step"] = dict(stats.memory.peak)
     out["peak_total"] = stats.memory.peak_total
-    out["bucket_cap"] = bucket_capacity(
-        engine.config.reduce_bucket_size, [-(-p.numel() // ctx.world) * ctx.world for p in ref.model.parameters()],
-        ctx.world, engine.config.overlap_comm,
-    )
+    out["bucket_cap"] = engine.stats().reduce_bucket_numel
     out["largest_padded"] = max(-(-p.numel() // ctx.world) * ctx.world for p in ref.model.parameters())
     out["adam_moments"] = sum(
         t.numel() * t.element_size() for st in engine.optimizer.state.values() for k, t in st.items()
@@ -201,16 +197,31 @@ def test_budget_config_is_checked() -> None:
 # --------------------------------------------------------------------------- #
 
 
-def test_bucket_capacity_keeps_buckets_within_one_partition() -> None:
-    big = [4_000_000] * 10  # 40M elements
-    # DeepSpeed's default bucket (5e8) would hold all of it; two buckets hold one partition at most
-    assert bucket_capacity(500_000_000, big, world=2, overlap=True) == 40_000_000 // 4
-    assert bucket_capacity(500_000_000, big, world=4, overlap=False) == 40_000_000 // 4
-    # a configured size below that wins
-    assert bucket_capacity(2_000_000, big, world=2, overlap=True) == 2_000_000
-    # small models keep one bucket for everything (the count of collectives matters more)
-    assert bucket_capacity(500_000_000, [1000] * 10, world=2, overlap=True) == 10_000
-    assert bucket_capacity(500_000_000, [BUCKET_FLOOR_NUMEL] * 8, world=8, overlap=True) == BUCKET_FLOOR_NUMEL
+def test_transient_buffers_stay_within_one_partition() -> None:
+    # DeepSpeed's default bucket (5e8) would hold all of a 40M-element model;
+    # two transient buffers hold one rank's partition at most
+    assert transient_cap(40_000_000, world=2) == 40_000_000 // 4
+    assert transient_cap(40_000_000, world=4) == 40_000_000 // 8
+    # small models keep one buffer for everything (the count of collectives matters more)
+    assert transient_cap(10_000, world=2) == TRANSIENT_FLOOR_NUMEL
+    assert transient_cap(8 * TRANSIENT_FLOOR_NUMEL, world=8) == TRANSIENT_FLOOR_NUMEL
+
+
+def run_caps(ctx: Any) -> dict[str, int]:
+    from z3kit_recipes import zero3
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M elements
+    total = sum(-(-p.numel() // ctx.world) * ctx.world for p in model.parameters())
+    engine = zero3.initialize(model, torch.optim.Adam, zero3.Zero3Config(), ctx.group)
+    stats = engine.stats()
+    return {"total": total, "bucket": stats.reduce_bucket_numel, "prefetch": engine.limiter.prefetch_bucket_size}
+
+
+def test_default_sizes_are_capped_and_reported(pools: Any) -> None:
+    for r in pools.run(2, run_caps):
+        cap = transient_cap(r["total"], 2)
+        assert cap < r["total"] < 50_000_000  # DeepSpeed's default prefetch and bucket exceed this model
+        assert r["bucket"] == cap - cap % 2 and r["prefetch"] == cap
 
 
 def test_ledger_counts_current_and_peak() -> None:

@@ -75,6 +75,29 @@ class MemoryPlan:
         return text
 
 
+#: transient buffers may always be this large: below a million elements the
+#: count of collectives matters more than the memory
+TRANSIENT_FLOOR_NUMEL = 1 << 20
+
+
+def transient_cap(total_numel: int, world: int) -> int:
+    """Elements one transient buffer may hold (a gradient bucket, a coalesced
+    gather's output): two of them together at most one rank's 1/N of a model
+    of ``total_numel`` elements, but never under ``TRANSIENT_FLOOR_NUMEL``.
+
+    Note: why transient buffers are capped.
+        DeepSpeed's default sizes (a 5e8-element reduce bucket, 5e7-element
+        prefetches) exceed many models whole: a rank would then hold a
+        model-sized bucket on top of its 1/N partitions at the end of
+        backward, and a prefetch of most of the model would exist twice
+        (its all-gather output and the parameters it is copied into) in the
+        middle of forward. Capped at 1/(2N) of the model, they are still
+        millions of elements on any model worth sharding, where one
+        collective's fixed cost is lost in its transfer time.
+    """
+    return max(-(-total_numel // (2 * world)), TRANSIENT_FLOOR_NUMEL)
+
+
 def budget_bytes(budget: int | float, model_numel: int, element_size: int) -> int:
     """Bytes of a budget given as bytes (int) or as a fraction of the model (float)."""
     if isinstance(budget, float):

@@ -32,10 +32,10 @@ from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy, StockReleasePolicy
-from z3kit.shard import ParamStatus, fill_partition
+from z3kit.shard import ParamStatus, fill_partition, shard_numel_for
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
-from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory
+from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.layout import ShardLayout
@@ -69,6 +69,10 @@ class Zero3Stats:
     peak_live_numel: int
     max_live_parameters: int
     largest_fetch_numel: int
+    #: elements of one gradient bucket and of one prefetch, as used (the knobs,
+    #: capped so that transient buffers stay within one rank's partition)
+    reduce_bucket_numel: int
+    prefetch_bucket_numel: int
     collectives: dict[str, dict[str, int]]
     trace_state: str
     trace_invalidations: int
@@ -466,6 +470,8 @@ class Zero3Engine:
             peak_live_numel=max(self._last_peak_live, self.limiter.high_water),
             max_live_parameters=self.limiter.max_live_parameters,
             largest_fetch_numel=max(fetch_sizes, default=0),
+            reduce_bucket_numel=0 if self.reducer is None else self.reducer.bucket_capacity,
+            prefetch_bucket_numel=self.limiter.prefetch_bucket_size,
             collectives=self._last_step_collectives,
             trace_state=self.trace.state.value,
             trace_invalidations=self.trace.invalidations,
@@ -675,9 +681,11 @@ def initialize(
     elif not isinstance(release_policy, ReleasePolicy):
         raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
     if prefetch_limiter is None:
+        world = dist.get_world_size(process_group)
+        padded_total = sum(shard_numel_for(p.numel(), world) * world for p in model.parameters())
         prefetch_limiter = PrefetchLimiter(
             max_live_parameters=knobs["max_live_parameters"],
-            prefetch_bucket_size=knobs["prefetch_bucket_size"],
+            prefetch_bucket_size=min(knobs["prefetch_bucket_size"], transient_cap(padded_total, world)),
             max_inflight=config.max_inflight_gathers,
         )
     elif not isinstance(prefetch_limiter, PrefetchLimiter):

@@ -21,31 +21,8 @@ from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
+from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.params import profiled
-
-
-#: bucket elements below which the count of collectives matters more than the memory
-BUCKET_FLOOR_NUMEL = 1 << 20
-
-
-def bucket_capacity(bucket_size: int, padded_numels: Sequence[int], world: int, overlap: bool) -> int:
-    """Elements of one gradient bucket: ``reduce_bucket_size``, but never more
-    than the whole model can fill, and never so much that the buckets
-    together hold more than one rank's gradient partition (1/N of the
-    model), down to ``BUCKET_FLOOR_NUMEL``.
-
-    Note: why the buckets are capped.
-        DeepSpeed's default bucket (5e8 elements) holds the whole gradient
-        of any model under that size, and a rank then holds a model-sized
-        buffer on top of its 1/N partitions at the end of backward. Two
-        buckets of at most 1/(2N) of the model keep the end of backward
-        within one partition's size, and on any model worth sharding they
-        are still millions of elements, where one collective's fixed cost
-        is lost in its transfer time.
-    """
-    total = sum(padded_numels)
-    share = -(-total // (world * (2 if overlap else 1)))
-    return min(bucket_size, total, max(share, BUCKET_FLOOR_NUMEL))
 
 
 class GradReducer:
@@ -94,7 +71,9 @@ class GradReducer:
         self._partition_numels = [shards[p].shard_numel for p in trainable]
         #: this window's partitions; None between an optimizer step and the first landing after it
         self.partitions: GradPartitionBuffer | None = None
-        capacity = bucket_capacity(bucket_size, [shards[p].padded_numel for p in trainable], self.world, overlap)
+        total = sum(shards[p].padded_numel for p in trainable)
+        # no bucket is larger than what the whole model can fill, nor than a transient buffer may be
+        capacity = min(bucket_size, total, transient_cap(total, self.world))
         #: elements of one bucket (0: every gradient is reduced on its own)
         self.bucket_capacity = capacity - capacity % self.world if contiguous and capacity >= self.world else 0
         self._bucket_count = 2 if overlap else 1
