@@ -133,19 +133,29 @@ class ParamCoordinator:
     def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
         numel = sum(self.numels[p] for p in pids)
         self.limiter.on_gather(numel)
-        self.memory.allocate(MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[p] for p in pids))
         with self.streams.on_comm():
             handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=async_op, log=self.log)
-        # a coalesced gather's output buffer lives until its copy-out (in wait)
-        self.memory.allocate(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
+        # one parameter is gathered into its own buffer; several into an output
+        # buffer that wait() copies out of (both exist for a moment) and frees
+        self.memory.allocate(
+            MemoryKind.GATHERED_PARAMS,
+            handle.staging_numel * self._element_size if handle.staging_numel else self._gathered_bytes[pids[0]],
+        )
         if async_op:
             for p in pids:
                 self._handles[p] = handle
         else:
             self.streams.compute_wait_comm()
-            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
+            self._copied_out(handle)
             self.limiter.on_gather_done()
         return handle
+
+    def _copied_out(self, handle: GatherHandle) -> None:
+        if handle.staging_numel:
+            self.memory.allocate(
+                MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[self.index[id(s.param)]] for s in handle.shards)
+            )
+            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
 
     def _wait(self, pid: int) -> None:
         handle = self._handles[pid]
@@ -155,7 +165,7 @@ class ParamCoordinator:
         self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
             self._handles.pop(self.index[id(s.param)], None)
-        self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
+        self._copied_out(handle)
         self.limiter.on_gather_done()
 
     def ensure_gathered(self, pids: Iterable[int]) -> None:
