@@ -45,7 +45,7 @@ from z3kit_recipes.bench.collectives import profiled_collectives
 from z3kit_recipes.bench.rss import MemoryProbe, memory_probe
 from z3kit_recipes.bench.runners import RUNTIME_MODULES, Runner, build_runner
 from z3kit_recipes.bench.spec import JSON, RunSpec
-from z3kit_recipes.launch import use_bytecode_cache
+from z3kit_recipes.launch import leave_together, use_bytecode_cache
 from z3kit_recipes.models import Workload, make_workload
 
 #: where the benchmark's models live: it runs on CPU over gloo. The memory
@@ -243,5 +243,7 @@ def worker(rank: int, spec: RunSpec) -> None:
                              warmup=spec.warmup, probe_steps=spec.probe_steps)
         if rank == 0:
             Path(spec.out_path).write_text(json.dumps(result))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_together()

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from z3kit.device import DeviceInfo, resolve_device
-from z3kit_recipes.launch import PYCACHE_DIR, free_port, use_bytecode_cache
+from z3kit_recipes.launch import PYCACHE_DIR, free_port, leave_together, use_bytecode_cache
 from z3kit_recipes.train.job import run_job
 from z3kit_recipes.train.spec import RunSpec
 
@@ -88,11 +88,10 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
     _init_group(spec, rank, world, info, spawned)
     try:
         run_job(spec, rank, world, info, started)
-        # tear down together: a rank that leaves while rank 0 still writes the
-        # summary has been seen to abort in gloo's teardown under load
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_together()
 
 
 def _init_group(spec: RunSpec, rank: int, world: int, info: DeviceInfo, spawned: bool) -> None:
