@@ -91,7 +91,11 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
     except BaseException:
         dist.destroy_process_group()
         raise
-    leave_together()
+    if spawned:
+        leave_together()  # a spawned rank is ours to end
+    # under torchrun this is the caller's process, and main() returns
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _init_group(spec: RunSpec, rank: int, world: int, info: DeviceInfo, spawned: bool) -> None:
