@@ -236,6 +236,7 @@ class Zero3Engine:
         self._capture_armed = False
         self._last_peak_live = 0
         self._new_memory_window = True
+        self._state_entries = 0
         #: the parameter timeline of the last captured step (see ``capture_timeline``)
         self.timeline: list[TimelineEvent] = []
 
@@ -370,7 +371,11 @@ class Zero3Engine:
                 for pid, master in zip(self.trainable, self.masters):
                     self.shards[pid].shard.copy_(master.detach())
             self.reducer.end_window()
-            self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
+            if len(self.optimizer.state) != self._state_entries:
+                # optimizers create a parameter's state at its first step and keep
+                # its size after that: measure only when new entries appear
+                self._state_entries = len(self.optimizer.state)
+                self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
         self.coordinator.refresh_persistent()
         self._new_memory_window = True
         self.global_step += 1
