@@ -15,6 +15,7 @@ Data flow (see ../shared/DESIGN.md):
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +40,9 @@ from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.layout import ShardLayout
+from z3kit_recipes.zero3.checkpoint import load_checkpoint, save_checkpoint
+from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES, load_pretrained, save_pretrained
+from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors, materialize
 from z3kit_recipes.zero3.grads import GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode, TimelineEvent
 
@@ -46,6 +50,14 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 #: device type served by each process-group backend
 _DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
+
+
+@attrs.frozen
+class MetaInit:
+    """How tensors built on the meta device get their values (see ``zero3.materialize``)."""
+
+    init_fn: InitFn | None
+    seed: int
 
 
 @attrs.frozen
@@ -109,7 +121,9 @@ class Zero3Engine:
         release_policy: ReleasePolicy,
         limiter: PrefetchLimiter,
         memory_plan: MemoryPlan | None = None,
+        meta_init: MetaInit | None = None,
     ) -> None:
+        meta_init = meta_init or MetaInit(None, 0)
         self.module = module
         self.config = config
         #: the knobs ``config.memory_budget`` was turned into, when it is set
@@ -144,8 +158,12 @@ class Zero3Engine:
                 f"the optimizer factory failed on rank(s) {failed}; see their error. Nothing was changed here"
             )
 
-        # 2. rank 0's values into the shards, one parameter (or chunk) at a time
-        layout.fill_from_rank0(group, self.log)
+        # 2. the values into the shards, one parameter (or chunk, or module) at a time:
+        #    rank 0's where the model has them, made on every rank where it was built on meta
+        real = [pid for pid, p in enumerate(params) if not p.is_meta]
+        layout.fill_from_rank0(real, group, self.log)
+        if len(real) < len(params) or has_meta_tensors(module):
+            materialize(module, layout, meta_init.init_fn, meta_init.seed, device)
         self.layout = layout
         self.shards = layout.shards
         self.masters = layout.masters
@@ -424,8 +442,7 @@ class Zero3Engine:
             raise ValueError("gathered_parameters needs a submodule of the engine's model")
         if modifier_rank is not None and not 0 <= modifier_rank < self.world:
             raise ValueError(f"modifier_rank must be in [0, {self.world}), got {modifier_rank}")
-        if self.hooks.active or self._epilogue_queued:
-            raise RuntimeError("gathered_parameters cannot be used inside a forward or backward")
+        self.check_idle("gathered_parameters")
         pids = list(dict.fromkeys(self.coordinator.index[id(p)] for p in target.parameters()))
         self.coordinator.ensure_gathered(pids)
         # pinned: a forward inside the block (on one rank only, say) then needs no collective
@@ -451,6 +468,49 @@ class Zero3Engine:
             if master is not None:
                 fill_partition(master.data, full, self.rank, self.world)
         self.coordinator.discard(p for p in pids if self.coordinator.persistent[p])
+
+    def check_idle(self, what: str) -> None:
+        """Refuse ``what`` inside a forward or backward."""
+        if self.hooks.active or self._epilogue_queued:
+            raise RuntimeError(f"{what} cannot be used inside a forward or backward")
+
+    def shards_changed(self) -> None:
+        """The shards were written from outside (a load): gathered copies are stale."""
+        self.coordinator.wait_inflight()
+        self.coordinator.discard(range(len(self.shards)))
+
+    def progress(self) -> tuple[int, int]:
+        """(optimizer steps taken, backwards completed)."""
+        return self.global_step, self.micro_step
+
+    def restore_progress(self, global_step: int, micro_step: int, *, window_open: bool) -> None:
+        """Counters of a resumed run (``window_open``: backwards since its last optimizer step)."""
+        self.global_step, self.micro_step = global_step, micro_step
+        self._backward_since_step = window_open
+        self._state_entries = len(self.optimizer.state)
+        self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
+
+    # -- weights in and out ---------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
+        """Write the training state under ``path``, each rank its own part
+        (collective; see ``zero3.checkpoint``). ``client_state`` is yours
+        (a data position, a scheduler's state), returned by ``load_checkpoint``."""
+        save_checkpoint(self, path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
+        return load_checkpoint(self, path)
+
+    def load_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.pretrained``)."""
+        load_pretrained(self, path)
+
+    def save_pretrained(
+        self, path: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Write the full model in the Hugging Face layout, one parameter at a time (collective)."""
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
     def synchronize(self) -> None:
         """Wait for this rank's communication in flight (``step()`` leaves the
@@ -614,9 +674,7 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
         module = torch.get_device_module(device_type)
         device = torch.device(device_type, module.current_device())
     for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device; materialize the model before initialize")
-        if p.device.type not in ("cpu", device_type):
+        if p.device.type not in ("cpu", "meta", device_type):
             raise ValueError(
                 f"parameter {name!r} is on {p.device}, but the process group's backend {backend!r} "
                 f"communicates {device_type} tensors; move the model to {device_type} (or CPU) or use a "
@@ -635,6 +693,8 @@ def initialize(
     trace: TraceRecorder | None = None,
     release_policy: ReleasePolicy | None = None,
     prefetch_limiter: PrefetchLimiter | None = None,
+    param_init_fn: InitFn | None = None,
+    init_seed: int | None = None,
 ) -> Zero3Engine:
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
@@ -644,6 +704,12 @@ def initialize(
     ``release_policy`` and ``prefetch_limiter`` replace the stock policies
     (the config's knobs for them are then not used). Every argument is
     checked before the model is touched: a failed call changes nothing.
+
+    A model built on the meta device is materialized one module at a time
+    (see ``z3kit_recipes.zero3.materialize``): by ``param_init_fn(module)``
+    when given (a Hugging Face model's ``_init_weights``), else by each
+    module's ``reset_parameters()``, from ``init_seed`` (default: rank 0's
+    ``torch.initial_seed()``), the same on every rank.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -695,9 +761,25 @@ def initialize(
         )
     elif not isinstance(prefetch_limiter, PrefetchLimiter):
         raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
+    meta_init = None
+    if has_meta_tensors(model):
+        check_materializable(model, param_init_fn)
+        meta_init = MetaInit(param_init_fn, _agreed_seed(init_seed, process_group, device))
     return Zero3Engine(
-        model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter, plan
+        model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter, plan,
+        meta_init,
     )
+
+
+def _agreed_seed(seed: int | None, group: ProcessGroup, device: torch.device) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()``: the same on every rank."""
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"init_seed must be an int, got {type(seed).__name__}")
+        return seed
+    value = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64, device=device)
+    broadcast(value, 0, group)
+    return int(value.item())
 
 
 def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:

@@ -172,11 +172,11 @@ class GradReducer:
         parts = flight.wait()
         self.streams.compute_wait_comm()
         self.comm_wait_s += time.perf_counter() - start
-        partitions = self._window()
+        partitions = self.window()
         for pid, part in parts:
             partitions.accumulate(self.slot[pid], part)
 
-    def _window(self) -> GradPartitionBuffer:
+    def window(self) -> GradPartitionBuffer:
         """This window's partitions, allocated at its first landing."""
         if self.partitions is None:
             self.partitions = GradPartitionBuffer(self._partition_numels, dtype=torch.float32, device=self.device)
@@ -204,7 +204,7 @@ class GradReducer:
             pending.wait()
             self.streams.compute_wait_comm()
             self.comm_wait_s += time.perf_counter() - start
-            self._window().accumulate(self.slot[pid], out)
+            self.window().accumulate(self.slot[pid], out)
             self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
         self._alone = waiting
 

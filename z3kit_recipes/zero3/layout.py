@@ -31,7 +31,7 @@ import attrs
 import torch
 from torch import nn
 
-from z3kit.collectives import CollectiveLog, ProcessGroup, broadcast
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast
 from z3kit.shard import ParamShard, fill_partition, shard_numel_for
 
 #: parameters smaller than this are broadcast together, through one buffer of at most this many elements
@@ -49,6 +49,10 @@ class ShardLayout:
     trainable: list[int]
     #: the optimizer's parameters, one per trainable parameter
     masters: list[nn.Parameter]
+    _masters: dict[int, nn.Parameter] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._masters = dict(zip(self.trainable, self.masters))
 
     @property
     def masters_are_shards(self) -> bool:
@@ -79,19 +83,21 @@ class ShardLayout:
 
     def master_of(self) -> dict[int, nn.Parameter]:
         """Master shard by parameter id (trainable parameters only)."""
-        return dict(zip(self.trainable, self.masters))
+        return dict(self._masters)
 
-    def fill_from_rank0(self, group: ProcessGroup, log: CollectiveLog) -> None:
-        """Every shard (and master) from rank 0's full values, releasing each
-        parameter's full tensor as soon as its shard is filled (see the Note
-        on what initialize holds at once)."""
-        for pids in _chunks(self.shards):
+    def fill_from_rank0(self, pids: Sequence[int], group: ProcessGroup, log: CollectiveLog) -> None:
+        """The shards (and masters) of ``pids`` from rank 0's full values,
+        releasing each parameter's full tensor as soon as its shard is
+        filled (see the Note on what initialize holds at once)."""
+        for chunk in _chunks([self.shards[p] for p in pids]):
+            pids_of_chunk = [pids[i] for i in chunk]
             # no name holds the values: they are freed as soon as fill returns
-            self.fill(pids, _rank0_values([self.shards[p].param for p in pids], self.flat.device, group, log))
+            params = [self.shards[p].param for p in pids_of_chunk]
+            self.fill(pids_of_chunk, _rank0_values(params, self.flat.device, group, log))
 
     def fill(self, pids: Sequence[int], fulls: Sequence[torch.Tensor]) -> None:
         """Fill the shards (and masters) of ``pids`` from flat full values, then release them."""
-        masters = {} if self.masters_are_shards else self.master_of()
+        masters = {} if self.masters_are_shards else self._masters
         for pid, full in zip(pids, fulls):
             shard = self.shards[pid]
             fill_partition(shard.shard, full, shard.rank, shard.world)
@@ -100,9 +106,33 @@ class ShardLayout:
                 fill_partition(master.data, full, shard.rank, shard.world)
             shard.release()
 
+    def fill_local(self, pid: int, local: torch.Tensor) -> None:
+        """This rank's slice of a parameter's flat values (``shard_numel`` or
+        fewer elements; the padding becomes zeros) into its shard and master."""
+        shard = self.shards[pid]
+        for target in (shard.shard, self._masters.get(pid) if not self.masters_are_shards else None):
+            if target is not None:
+                target.data[: local.numel()].copy_(local)
+                target.data[local.numel() :].zero_()
+
+    def local_range(self, pid: int) -> tuple[int, int]:
+        """``[start, stop)`` of the flattened parameter that this rank's shard holds (empty past its end)."""
+        shard = self.shards[pid]
+        start = min(shard.rank * shard.shard_numel, shard.numel)
+        return start, min(start + shard.shard_numel, shard.numel)
+
+    def gather_full(self, pid: int, group: ProcessGroup, log: CollectiveLog) -> torch.Tensor:
+        """The parameter's full flat values on every rank (collective), from
+        its fp32 master when it has one, else from its shard."""
+        source = self._masters.get(pid, self.shards[pid].shard) if not self.masters_are_shards else self.shards[pid].shard
+        source = source.detach()
+        out = source.new_empty(source.numel() * self.shards[pid].world)
+        all_gather(out, source, group, log=log)
+        return out[: self.shards[pid].numel]
+
 
 def _chunks(shards: Sequence[ParamShard]) -> list[list[int]]:
-    """Parameter ids: large parameters alone, runs of small ones of one dtype
+    """Positions in ``shards``: large parameters alone, runs of small ones of one dtype
     up to ``CHUNK_NUMEL`` elements together; the smallest chunks first, so
     that the largest shards are written when most full tensors are gone."""
     chunks: list[list[int]] = []
