@@ -104,6 +104,7 @@ def run_hf_roundtrip(ctx: Any, src: str, out: str, max_shard_bytes: int) -> dict
     with torch.no_grad():
         logits = engine(ids).logits
     engine.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+    engine.save_checkpoint(out + "-checkpoint")
     return {"loaded_equal": loaded_equal, "logits": logits, "ref_logits": reference(ids).logits.detach(), "ids": ids}
 
 
@@ -124,6 +125,21 @@ def test_hf_checkpoint_loads_into_shards_and_exports_for_transformers(pools: Any
     assert len(set(index["weight_map"].values())) > 1  # split at 30 kB
     assert "lm_head.weight" not in index["weight_map"]  # tied to the embedding: written once
     assert not [p.name for p in tmp_path.iterdir() if "partial" in p.name]
+    # offline, one process, no group: the checkpoint converts to the same weights
+    from safetensors.torch import load_file
+
+    from z3kit_recipes.convert import main as convert_main
+
+    assert convert_main([str(out) + "-checkpoint", str(tmp_path / "converted"), "--max-shard-size", "30kB"]) == 0
+    converted = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "converted")
+    torch.testing.assert_close(converted(results[0]["ids"]).logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+    tensors = {}
+    for f in sorted((tmp_path / "converted").glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    exported = {}
+    for f in sorted(out.glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    assert tensors.keys() == exported.keys() and all(torch.equal(tensors[k], exported[k]) for k in tensors)
 
 
 def run_mismatched_load(ctx: Any, src: str) -> dict[str, Any]:

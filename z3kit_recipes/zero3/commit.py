@@ -30,14 +30,23 @@ MANIFEST = "z3kit_manifest.json"
 _CHUNK = 1 << 24
 
 
-def staging_path(final: Path, group: ProcessGroup) -> Path:
-    """A fresh staging directory beside ``final``, named by rank 0, created, the same on every rank."""
-    name = [f".{final.name}.partial-{secrets.token_hex(4)}" if dist.get_rank(group) == 0 else ""]
-    dist.broadcast_object_list(name, group_src=0, group=group)
+def _rank_world(group: ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world); a process without a group is rank 0 of 1."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def staging_path(final: Path, group: ProcessGroup | None) -> Path:
+    """A fresh staging directory beside ``final``, named by rank 0, created,
+    the same on every rank (``group=None``: one process on its own)."""
+    rank, _ = _rank_world(group)
+    name = [f".{final.name}.partial-{secrets.token_hex(4)}" if rank == 0 else ""]
+    if group is not None:
+        dist.broadcast_object_list(name, group_src=0, group=group)
     staging = final.parent / name[0]
-    if dist.get_rank(group) == 0:
+    if rank == 0:
         staging.mkdir(parents=True)
-    dist.barrier(group=group)
+    if group is not None:
+        dist.barrier(group=group)
     return staging
 
 
@@ -53,16 +62,19 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def _shared(results: dict[str, Any], group: ProcessGroup) -> dict[str, Any]:
+def _shared(results: dict[str, Any], group: ProcessGroup | None) -> dict[str, Any]:
+    if group is None:
+        return results
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, results, group=group)
     return {k: v for part in everyone for k, v in part.items()}
 
 
-def commit(staging: Path, final: Path, metadata: dict[str, Any], group: ProcessGroup) -> None:
+def commit(staging: Path, final: Path, metadata: dict[str, Any], group: ProcessGroup | None) -> None:
     """Hash the staged files, write the manifest, rename into place (collective)."""
-    dist.barrier(group=group)  # every rank's files are complete
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        dist.barrier(group=group)  # every rank's files are complete
+    rank, world = _rank_world(group)
     names = _files(staging)
     mine = {n: {"bytes": (staging / n).stat().st_size, "sha256": _sha256(staging / n)} for n in names[rank::world]}
     files = _shared(mine, group)
@@ -76,7 +88,8 @@ def commit(staging: Path, final: Path, metadata: dict[str, Any], group: ProcessG
             os.replace(final, aside)
         os.replace(staging, final)
         shutil.rmtree(aside, ignore_errors=True)
-    dist.barrier(group=group)
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
@@ -96,7 +109,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
 def verify(root: Path, manifest: dict[str, Any], group: ProcessGroup | None) -> None:
     """Check every file's size and SHA-256 against the manifest (each rank a
     share, when there is a group); raises the same error everywhere."""
-    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    rank, world = _rank_world(group)
     names = sorted(manifest["files"])
     bad: dict[str, Any] = {}
     for name in names[rank::world]:
@@ -107,8 +120,7 @@ def verify(root: Path, manifest: dict[str, Any], group: ProcessGroup | None) -> 
             bad[name] = f"{path.stat().st_size} bytes, the manifest says {want['bytes']}"
         elif _sha256(path) != want["sha256"]:
             bad[name] = "its SHA-256 differs from the manifest's"
-    if group is not None:
-        bad = _shared(bad, group)
+    bad = _shared(bad, group)
     if bad:
         first = min(bad)
         raise ValueError(f"checkpoint {root} is corrupt: {first}: {bad[first]}" + (
