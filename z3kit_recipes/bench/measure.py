@@ -33,6 +33,7 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -69,7 +70,12 @@ def import_lazy_modules(spec: RunSpec) -> None:
     That is the cost of importing code, the same whatever the model, and
     would otherwise land in whichever phase happens to import first.
     """
-    for name in (*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ())):
+    warm_up((*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ())))
+
+
+def warm_up(modules: Iterable[str]) -> None:
+    """Import ``modules`` and take one throwaway optimizer step (see ``import_lazy_modules``)."""
+    for name in modules:
         importlib.import_module(name)
     param = torch.zeros(1, requires_grad=True)
     param.grad = torch.zeros(1)

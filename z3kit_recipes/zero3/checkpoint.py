@@ -111,7 +111,10 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
     global_step, micro_step = engine.progress()
     final = Path(path)
     staging = staging_path(final, engine.group)
-    dcp_save(state, storage_writer=FileSystemWriter(str(staging)), process_group=engine.group)
+    # one file per tensor: DCP keeps every tensor of a file alive until the file
+    # is written (and reads a file whole), so files of one tensor bound the peak
+    writer = FileSystemWriter(str(staging), single_file_per_rank=False)
+    dcp_save(state, storage_writer=writer, process_group=engine.group)
     metadata = {
         "version": FORMAT_VERSION,
         "kind": "z3kit checkpoint",
@@ -150,17 +153,21 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
         start, stop = layout.local_range(e.pid)
         state[f"params.{e.name}"] = _sharded(e.tensor, shard.numel, start, stop, mesh)
         prefix = f"optim.{e.name}."
+        held = engine.optimizer.state.get(e.master, {}) if e.master is not None else {}
         for key in (k for k in stored if k.startswith(prefix)):
             size = getattr(stored[key], "size", None)
             props = getattr(stored[key], "properties", None)
             if size is None or props is None:
                 continue
-            if list(size) == [shard.numel]:
-                target = torch.zeros(shard.shard_numel, dtype=props.dtype, device=engine.device)
-                state[key] = _sharded(target, shard.numel, start, stop, mesh)
-            else:
-                target = torch.empty(size, dtype=props.dtype, device="cpu" if size == torch.Size([]) else engine.device)
-                state[key] = target
+            sharded = list(size) == [shard.numel]
+            shape = (shard.shard_numel,) if sharded else tuple(size)
+            target = held.get(key[len(prefix):])
+            if not (isinstance(target, torch.Tensor) and tuple(target.shape) == shape and target.dtype == props.dtype):
+                # nothing to read into in place (a fresh optimizer): new state, padding zero
+                target = torch.zeros(shape, dtype=props.dtype, device=engine.device if sharded or shape else "cpu")
+            elif sharded:
+                target[stop - start :].zero_()
+            state[key] = _sharded(target, shard.numel, start, stop, mesh) if sharded else target
             optim_targets.setdefault(e.name, {})[key[len(prefix):]] = target
     grads = {}
     for name in manifest["open_window"]:

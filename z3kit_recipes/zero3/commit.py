@@ -27,7 +27,7 @@ import torch.distributed as dist
 from z3kit.collectives import ProcessGroup
 
 MANIFEST = "z3kit_manifest.json"
-_CHUNK = 1 << 24
+_CHUNK = 1 << 20
 
 
 def _rank_world(group: ProcessGroup | None) -> tuple[int, int]:
@@ -52,9 +52,11 @@ def staging_path(final: Path, group: ProcessGroup | None) -> Path:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
+    block = bytearray(_CHUNK)  # one buffer, reused: hashing adds _CHUNK bytes to the peak
+    view = memoryview(block)
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
+        while n := f.readinto(block):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
