@@ -8,6 +8,7 @@ import csv
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+import torch.nn.functional as F
 
 from z3kit.memory import MemoryKind, MemoryReport
 from z3kit_recipes import train
@@ -425,3 +427,185 @@ def test_torchrun_launch_runs_in_this_process(
     r0 = s["memory"]["per_rank"][0]
     assert r0["current"]["param_shards"] == 4 * s["memory"]["model_numel"]  # one rank holds everything
     assert "loss" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints: --save-every, --resume, --init-from, --export
+# --------------------------------------------------------------------------- #
+
+TINY_RUN = ["--model-size", "tiny", "--sample-chars", "0", "--corpus-chars", "50000"]
+
+
+def _main_printing(argv: list[str], log: Path) -> tuple[int, str]:
+    """``train.main(argv)`` with file descriptor 1 (this process's and the
+    spawned ranks') sent to ``log``: its status and what was printed."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with log.open("w+") as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            status = train.main(argv)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+    return status, log.read_text()
+
+
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's variables for one rank: main() trains in this process."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+
+
+def _losses(out: Path, column: str = "loss_mean") -> list[float]:
+    with (out / "loss_history.csv").open() as f:
+        return [float(row[column]) for row in csv.DictReader(f)]
+
+
+@attrs.frozen
+class _Runs:
+    a: Path
+    b: Path
+    printed_a: str
+    printed_b: str
+
+
+@pytest.fixture(scope="module")
+def saved_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
+    """Run A: 6 steps, a checkpoint every 3; run B: resumed from A's step-3
+    checkpoint up to 6. Both export their final weights (2 spawned ranks each)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    a, b = root / "a", root / "b"
+    status, printed_a = _main_printing(
+        [*TINY_RUN, "--steps", "6", "--save-every", "3", "--out", str(a), "--export", str(a / "export")], root / "a.log"
+    )
+    assert status == 0, printed_a
+    resume = ["--steps", "6", "--resume", str(a / "checkpoint-000003"), "--out", str(b), "--export", str(b / "export")]
+    status, printed_b = _main_printing([*TINY_RUN, *resume], root / "b.log")
+    assert status == 0, printed_b
+    return _Runs(a, b, printed_a, printed_b)
+
+
+def test_resume_continues_exactly(saved_and_resumed: _Runs) -> None:
+    a, b = saved_and_resumed.a, saved_and_resumed.b
+    # steps 3..5 of the resumed run, bit for bit (the CSV holds each float in full), every rank
+    for column in ("loss_rank0", "loss_rank1", "loss_mean"):
+        losses_a, losses_b = _losses(a, column), _losses(b, column)
+        assert len(losses_a) == len(losses_b) == 6
+        assert losses_b[3:] == losses_a[3:]
+        assert losses_b[:3] == losses_a[:3]  # the history before the resume comes from the checkpoint
+    # the final full parameters too
+    from safetensors.torch import load_file
+
+    weights_a, weights_b = load_file(a / "export" / "model.safetensors"), load_file(b / "export" / "model.safetensors")
+    assert sorted(weights_a) == sorted(weights_b) and "tok_emb.weight" in weights_a
+    for name, tensor in weights_a.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, weights_b[name]), name
+
+    assert sorted(p.name for p in a.glob("checkpoint-*")) == ["checkpoint-000003", "checkpoint-000006"]
+    assert not list(b.glob("checkpoint-*"))  # no --save-every
+    sa, sb = (json.loads((out / "summary.json").read_text()) for out in (a, b))
+    assert [c["step"] for c in sa["checkpoints"]["saved"]] == [3, 6]
+    assert sa["checkpoints"]["export"] == str(a / "export") and sa["checkpoints"]["resumed_from"] is None
+    assert "checkpoint-000003/" in sa["files"]
+    assert sb["checkpoints"]["resumed_from"] == str(a / "checkpoint-000003")
+    assert (sb["checkpoints"]["resumed_at_step"], sb["checkpoints"]["resumed_world"]) == (3, 2)
+    assert (sb["training"]["steps"], sb["training"]["first_step"]) == (6, 3)
+    assert sb["loss"]["first"] == sa["loss"]["first"] and sb["loss"]["last"] == sa["loss"]["last"]
+    # one line each, from rank 0
+    pa, pb = saved_and_resumed.printed_a, saved_and_resumed.printed_b
+    assert pa.count("saved checkpoint ") == 2 and pa.count(f"exported the weights to {a / 'export'}") == 1
+    assert pb.count(f"resumed from {a / 'checkpoint-000003'} at step 3 of 6") == 1
+    assert "saved checkpoint" not in pb and pb.count("exported the weights to") == 1
+
+
+def test_init_from_starts_from_the_exported_weights(
+    saved_and_resumed: _Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step from A's export (one rank, in this process): its loss is the
+    loss of A's final weights on that step's batch, not a fresh model's."""
+    a = saved_and_resumed.a
+    _torchrun_env(monkeypatch)
+    out = tmp_path / "c"
+    assert train.main([*TINY_RUN, "--steps", "1", "--init-from", str(a / "export"), "--out", str(out)]) == 0
+    (first,) = _losses(out, "loss_rank0")
+
+    from safetensors.torch import load_file
+
+    corpus = train.load_corpus(50_000)
+    vocab = train.CharVocab.from_text(corpus.text)
+    model = GPT(train.gpt_config("tiny", len(vocab)))
+    loaded = model.load_state_dict(load_file(a / "export" / "model.safetensors"), strict=False)
+    assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys  # tied to tok_emb.weight
+    x, y = train.sample_batch(vocab.tokens(corpus.text), 16, 32, seed=0, rank=0, step=0)
+    with torch.no_grad():
+        want = float(F.cross_entropy(model(x).float().reshape(-1, len(vocab)), y.reshape(-1)))
+    assert first == pytest.approx(want, rel=1e-6, abs=1e-6)
+    # A's own first step trained a fresh model on this very batch (seed 0, rank 0, step 0)
+    assert abs(first - _losses(a, "loss_rank0")[0]) > 0.05
+    s = json.loads((out / "summary.json").read_text())
+    assert s["checkpoints"]["init_from"] == str(a / "export")
+
+
+def test_resume_at_another_world_size(saved_and_resumed: _Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's 2-rank checkpoint resumed on one rank: the engine reshards; the
+    history before the resume is the saved mean over A's ranks."""
+    a = saved_and_resumed.a
+    _torchrun_env(monkeypatch)
+    out = tmp_path / "d"
+    assert train.main([*TINY_RUN, "--steps", "4", "--resume", str(a / "checkpoint-000003"), "--out", str(out)]) == 0
+    losses = _losses(out)
+    assert len(losses) == 4 and losses[:3] == _losses(a)[:3] and math.isfinite(losses[3])
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["world"], s["checkpoints"]["resumed_world"], s["training"]["first_step"]) == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--model-size", "small"], "--model-size: the checkpoint's model is tiny"),
+        (["--seq-len", "16"], "--seq-len"),
+        (["--seed", "1"], "--seed: 0 in the checkpoint, 1 here"),
+        (["--batch-size", "8"], "--batch-size: 16 in the checkpoint, 8 here"),
+        (["--lr", "0.01"], "--lr"),
+        (["--corpus-chars", "60000"], "--corpus-chars"),
+        (["--steps", "3"], "--steps 3: the checkpoint is at step 3 already"),
+    ],
+)
+def test_resume_refuses_another_run(
+    saved_and_resumed: _Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: list[str], named: str
+) -> None:
+    """Checked before any process starts: status 2, the option named."""
+    argv = [*TINY_RUN, "--steps", "6", "--resume", str(saved_and_resumed.a / "checkpoint-000003"), *change]
+    assert train.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not continue the saved one" in err and named in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_what_is_not_a_checkpoint(
+    saved_and_resumed: _Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert train.main([*TINY_RUN, "--resume", str(saved_and_resumed.a / "export")]) == 2
+    assert "start from it with --init-from" in capsys.readouterr().err
+    assert train.main([*TINY_RUN, "--resume", str(tmp_path)]) == 2  # no manifest
+    assert f"error: --resume {tmp_path}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--save-every", "0"], "--save-every"),
+        (["--resume", "/no/such/checkpoint"], "no such folder"),
+        (["--init-from", "/no/such/export"], "no such folder"),
+        (["--resume", ".", "--init-from", "."], "not allowed with"),
+        (["--export", "."], "refusing to replace it"),
+    ],
+)
+def test_checkpoint_options_are_checked(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

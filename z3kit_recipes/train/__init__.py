@@ -4,6 +4,7 @@
         [--width W --layers L --heads H --seq-len T] [--batch-size B] [--lr LR]
         [--config ds_or_z3kit.json] [--dtype fp32|bf16] [--seed S] [--out DIR]
         [--plot] [--profile] [--sample-chars N] [--prompt TEXT] [--temperature T] [--corpus-chars N]
+        [--save-every N] [--resume CHECKPOINT | --init-from WEIGHTS] [--export WEIGHTS]
 
     torchrun --nproc-per-node 8 -m z3kit_recipes.train [same options]
 
@@ -45,13 +46,23 @@ chrome://tracing, with the engine's labelled ranges (``z3kit.fetch
 <module>``, ``z3kit.release <module>``, ``z3kit.prefetch``,
 ``z3kit.reduce_bucket``).
 
+Checkpoints (see :mod:`z3kit_recipes.train.checkpointing`): ``--save-every
+N`` saves the sharded training state to ``<out>/checkpoint-<step>`` every
+N optimizer steps and at the end; ``--resume`` continues such a run (saved
+at any number of ranks) up to ``--steps`` in all, refusing, before any
+process starts, a run whose options differ from the saved one's, and at
+the same world size its losses equal an uninterrupted run's bit for bit;
+``--export`` writes the trained weights as Hugging Face-layout safetensors,
+and ``--init-from`` starts a new run from such weights.
+
 tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
 
 Modules, in the order a run meets them: ``cli`` (options, ``main``),
 ``config`` (model sizes, ``Zero3Config``), ``corpus`` (text, vocabulary,
 batches), ``spec`` (``RunSpec``, what every rank gets), ``launch`` (spawn or
 torchrun, the process group), ``job`` (one rank, corpus to summary),
-``loop`` (the training steps), ``profile`` (``--profile``), ``sample`` (text
+``loop`` (the training steps), ``checkpointing`` (``--save-every``,
+``--resume``, ``--init-from``, ``--export``), ``profile`` (``--profile``), ``sample`` (text
 from the trained model), ``memory`` and ``report`` (the summary as records),
 ``render`` (as text), ``plots`` (``--plot``), ``outputs`` (the folder,
 ``loss_history.csv``), ``extras`` (the ``cli`` extra's imports).

@@ -4,13 +4,17 @@ run (``RunSpec``) before any process starts and hands it to ``launch``."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.train.checkpointing import EXPORT_KIND, check_resumable, read_client_state, vocab_digest
 from z3kit_recipes.train.config import DEFAULT_MODEL_SIZE, MODEL_SIZES, gpt_config, load_config
 from z3kit_recipes.train.corpus import DEFAULT_CORPUS_CHARS, CharVocab, load_corpus
 from z3kit_recipes.train.extras import optional_module
@@ -18,6 +22,7 @@ from z3kit_recipes.train.launch import run_under_torchrun, spawn_ranks, torchrun
 from z3kit_recipes.train.outputs import default_out
 from z3kit_recipes.train.profile import PROFILE_STEPS
 from z3kit_recipes.train.spec import RunSpec
+from z3kit_recipes.zero3.commit import MANIFEST
 
 DEFAULT_STEPS: Final = 400
 DEFAULT_BATCH_SIZE: Final = 16
@@ -94,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sampling temperature (0: always the likeliest character; default {DEFAULT_TEMPERATURE})")
     p.add_argument("--corpus-chars", type=_int_at_least(1000), default=DEFAULT_CORPUS_CHARS,
                    help=f"characters of standard-library source to train on (default {DEFAULT_CORPUS_CHARS:,})")
+    p.add_argument("--save-every", type=_int_at_least(1), metavar="N",
+                   help="save a checkpoint (sharded training state) to OUT/checkpoint-<step> every N optimizer "
+                   "steps and at the end")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", type=Path, metavar="PATH",
+                       help="continue the run saved at checkpoint PATH (saved at any number of ranks) up to "
+                       "--steps in all; the run's options (model, corpus, seed, batch size, lr) must match it")
+    start.add_argument("--init-from", type=Path, metavar="PATH",
+                       help="start from the weights of PATH, a Hugging Face-layout safetensors folder "
+                       "(what --export writes)")
+    p.add_argument("--export", type=Path, metavar="PATH",
+                   help="at the end, write the trained weights to the folder PATH as Hugging Face-layout safetensors")
     return p  # fmt: skip
 
 
@@ -115,7 +132,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--config {args.config}: no such file")
     if args.prompt == "":
         parser.error("--prompt must not be empty")
+    for option, path in (("--resume", args.resume), ("--init-from", args.init_from)):
+        if path is not None and not path.is_dir():
+            parser.error(f"{option} {path}: no such folder")
+    if args.export is not None and args.export.exists() and _manifest_kind(args.export) != EXPORT_KIND:
+        parser.error(f"--export {args.export}: exists and is not an earlier --export; refusing to replace it")
     return args
+
+
+def _manifest_kind(path: Path) -> str | None:
+    """The kind of z3kit folder ``path`` is (its manifest's ``kind``), or None."""
+    try:
+        kind = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     corpus = load_corpus(args.corpus_chars)
-    model_config = model_config_from_args(args, len(CharVocab.from_text(corpus.text)))
+    vocab = CharVocab.from_text(corpus.text)
+    model_config = model_config_from_args(args, len(vocab))
     try:
         config = load_config(args.config, model_config, args.dtype)
     except (ValueError, TypeError) as exc:
@@ -155,7 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         corpus_chars=args.corpus_chars,
         corpus_digest=corpus.digest,
         argv=tuple(sys.argv[1:] if argv is None else argv),
+        model_size=args.model_size,
+        save_every=args.save_every,
+        resume=None if args.resume is None else str(args.resume),
+        init_from=None if args.init_from is None else str(args.init_from),
+        export=None if args.export is None else str(args.export),
     )
+    if spec.resume is not None:  # before any process starts: the saved run's options must match
+        try:
+            check_resumable(spec.resume, read_client_state(spec.resume), spec, vocab_digest(vocab))
+        except (ValueError, OSError, CheckpointException) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if launched is not None:
         run_under_torchrun(spec, *launched)
         return 0

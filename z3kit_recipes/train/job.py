@@ -14,8 +14,10 @@ import torch.distributed as dist
 from z3kit.device import DeviceInfo
 from z3kit_recipes import zero3
 from z3kit_recipes.models import GPT
+from z3kit_recipes.train import checkpointing
+from z3kit_recipes.train.checkpointing import CheckpointFigures, Checkpointer
 from z3kit_recipes.train.corpus import CharVocab, Corpus, load_corpus
-from z3kit_recipes.train.loop import LoopResult, train_steps
+from z3kit_recipes.train.loop import LoopResult, LoopStart, train_steps
 from z3kit_recipes.train.memory import MemoryFigures, RankMemory, Replica, peak_rss_bytes
 from z3kit_recipes.train.outputs import shared_out_dir, write_history
 from z3kit_recipes.train.plots import write_plots
@@ -51,6 +53,7 @@ class _Trained:
     memory: list[RankMemory]
     timeline: list[TimelineEvent]
     sample: SampleFigures
+    checkpoints: CheckpointFigures
 
 
 def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: float) -> None:
@@ -69,23 +72,43 @@ def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: flo
     engine = zero3.initialize(
         GPT(spec.model), lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95)), spec.config
     )
+    said: list[str] = []
+    start, resumed_world = LoopStart(), None
+    if spec.init_from is not None:
+        said.append(checkpointing.init_from(engine, spec.init_from))
+    if spec.resume is not None:
+        start, resumed_world, message = checkpointing.resume(engine, spec, checkpointing.vocab_digest(vocab), spec.resume)
+        said.append(message)
     if rank == 0:
-        print(render_header(spec, corpus, vocab, engine.stats(), world, info, str(out)), flush=True)
-    trained = _train_and_gather(engine, data, spec, vocab, rank, world, out)
+        print("\n".join([render_header(spec, corpus, vocab, engine.stats(), world, info, str(out)), *said]), flush=True)
+    trained = _train_and_gather(engine, data, spec, vocab, rank, world, out, start, resumed_world)
     if rank == 0:
         _report(spec, corpus, vocab, world, info, out, trained, total_s=time.perf_counter() - started)
 
 
 def _train_and_gather(
-    engine: zero3.Zero3Engine, data: torch.Tensor, spec: RunSpec, vocab: CharVocab, rank: int, world: int, out: Path
+    engine: zero3.Zero3Engine,
+    data: torch.Tensor,
+    spec: RunSpec,
+    vocab: CharVocab,
+    rank: int,
+    world: int,
+    out: Path,
+    start: LoopStart,
+    resumed_world: int | None,
 ) -> _Trained:
-    loop = train_steps(engine, data, spec, rank, world, out)
+    saver = Checkpointer(engine, spec, out, checkpointing.vocab_digest(vocab), start, resumed_world)
+    loop = train_steps(engine, data, spec, rank, world, out, start, saver.after_step)
     # read before anything else runs: the engine's peaks cover the last step,
     # and the full state dict below would add a whole model to the resident set
     final = engine.stats()
     mine = RankMemory.of(rank, final.memory, peak_rss=peak_rss_bytes(), peak_live_numel=loop.tally.peak_live)
+    said = saver.finish(loop.losses, loop.lrs)  # the last checkpoint, --export
+    if rank == 0 and said:
+        print("\n".join(said), flush=True)
     device = engine.device
-    losses = gather_rows(torch.tensor(loop.losses, dtype=torch.float32, device=device), world)
+    # float64: every rank's losses exactly as the loop kept them (Python floats)
+    losses = gather_rows(torch.tensor(loop.losses, dtype=torch.float64, device=device), world)
     memory = gather_rows(mine.to_row().to(device), world)
 
     # full weights on every rank (collective), generated on rank 0
@@ -103,6 +126,7 @@ def _train_and_gather(
         memory=[RankMemory.from_row(r, [int(v) for v in row.tolist()]) for r, row in enumerate(memory)],
         timeline=list(engine.timeline),
         sample=SampleFigures(spec.prompt, spec.sample_chars, spec.temperature, text, sample_s),
+        checkpoints=saver.figures(),
     )
 
 
@@ -120,7 +144,7 @@ def _report(
     """Rank 0: the output files, ``summary.json`` and the printed summary."""
     final, loop = trained.final, trained.loop
     write_history(out / "loss_history.csv", trained.loss_table, loop.lrs)
-    files = ["loss_history.csv"]
+    files = ["loss_history.csv", *(f"{Path(c.path).name}/" for c in trained.checkpoints.saved)]
     if spec.plot:
         files += write_plots(out, trained.loss_table, trained.timeline, final.max_live_parameters, final.model_numel)
     profile: ProfileFigures | None = None
@@ -156,6 +180,7 @@ def _report(
         timeline=TimelineFigures.of(trained.timeline, len(loop.losses)),
         sample=trained.sample,
         profile=profile,
+        checkpoints=trained.checkpoints,
         files=[*files, "summary.json"],
     )
     (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,44 +57,80 @@ class Tally:
 
 
 @attrs.frozen
+class LoopStart:
+    """Where the loop begins: at step 0, or where a resumed run left off."""
+
+    step: int = 0
+    #: this rank's losses and the learning rates of the steps before ``step``
+    losses: tuple[float, ...] = ()
+    lrs: tuple[float, ...] = ()
+    #: the steps that the LR schedule spans (None: ``spec.steps``; a resumed run keeps the saved run's)
+    schedule_steps: int | None = None
+
+
+#: called after each optimizer step with (steps done, this rank's losses, the learning rates so
+#: far) on every rank (it may be collective); what it returns, rank 0 prints
+AfterStep = Callable[[int, list[float], list[float]], str | None]
+
+
+@attrs.frozen
 class LoopResult:
     """What the training loop leaves behind on a rank."""
 
-    #: mean loss over the micro-steps of each optimizer step
+    #: mean loss over the micro-steps of each optimizer step, from step 0 (a resumed run's
+    #: first ``first_step`` come from its checkpoint)
     losses: list[float]
     lrs: list[float]
     tally: Tally
+    #: wall time of the steps, checkpoints saved between them left out
     train_s: float
     #: the profiled steps ``[first, end)``; ``(-1, -1)`` without ``--profile``
     profile_window: tuple[int, int]
+    #: the step this process started at (0, or the resumed checkpoint's)
+    first_step: int = 0
 
 
 def train_steps(
-    engine: zero3.Zero3Engine, data: torch.Tensor, spec: RunSpec, rank: int, world: int, out: Path
+    engine: zero3.Zero3Engine,
+    data: torch.Tensor,
+    spec: RunSpec,
+    rank: int,
+    world: int,
+    out: Path,
+    start: LoopStart = LoopStart(),
+    after_step: AfterStep | None = None,
 ) -> LoopResult:
-    """``spec.steps`` optimizer steps of ``gradient_accumulation_steps``
-    micro-batches each, with the progress bar (rank 0), the timeline
-    capture of the last step and ``--profile``."""
+    """Optimizer steps ``start.step`` to ``spec.steps - 1`` of
+    ``gradient_accumulation_steps`` micro-batches each, with the progress
+    bar (rank 0), the timeline capture of the last step, ``--profile`` and
+    ``after_step`` (checkpoints) after each step."""
     device = engine.device
     gas = spec.micro_steps
     tokens_per_step = spec.tokens_per_step(world)
+    schedule_steps = spec.steps if start.schedule_steps is None else start.schedule_steps
     tqdm_module = optional_module("tqdm", "the progress bar")
     bar: Any = tqdm_module.tqdm(
-        total=spec.steps, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr
-    )
-    # profiled: the forward and backward of steps [profile_at, profile_end) (see profile_window)
+        total=spec.steps, initial=start.step, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=0.5,
+        file=sys.stderr,
+    )  # fmt: skip
+    # profiled: the forward and backward of steps [profile_at, profile_end) (see profile_window),
+    # past the first step of this process (it records the engine's trace)
     profile_at, profile_end = profile_window(spec.steps) if spec.profile else (-1, -1)
+    profile_at = max(profile_at, start.step + 1) if profile_at >= 0 else -1
+    if profile_at >= profile_end:
+        profile_at, profile_end = -1, -1
     capture_at = spec.steps - 2  # capture_timeline() before this step() records the next step
     profiler: torch.profiler.profile | None = None
-    losses: list[float] = []
-    lrs: list[float] = []
+    losses: list[float] = list(start.losses)
+    lrs: list[float] = list(start.lrs)
     tally = Tally()
     train_start = time.perf_counter()
+    after_s = 0.0  # spent in after_step
     ema: float | None = None
     try:
-        for step in range(spec.steps):
+        for step in range(start.step, spec.steps):
             t0 = time.perf_counter()
-            step_lr = lr_at(step, spec.steps, spec.lr)
+            step_lr = lr_at(step, schedule_steps, spec.lr)
             for group in engine.optimizer.param_groups:
                 group["lr"] = step_lr
             total = 0.0
@@ -116,13 +153,22 @@ def train_steps(
             losses.append(total / gas)
             lrs.append(step_lr)
             profiled = profile_at <= step < profile_end
-            tally.add(engine.stats(), wall_s=time.perf_counter() - t0, counted=step > 0 and not profiled)
+            first = step == start.step
+            tally.add(engine.stats(), wall_s=time.perf_counter() - t0, counted=not first and not profiled)
             ema = losses[-1] if ema is None else 0.9 * ema + 0.1 * losses[-1]
-            elapsed = time.perf_counter() - train_start
-            bar.set_postfix_str(f"loss {ema:.3f}, {tokens_per_step * (step + 1) / elapsed:,.0f} tok/s", refresh=False)
+            elapsed = time.perf_counter() - train_start - after_s
+            done = step + 1 - start.step
+            bar.set_postfix_str(f"loss {ema:.3f}, {tokens_per_step * done / elapsed:,.0f} tok/s", refresh=False)
             bar.update(1)
+            if after_step is not None:
+                t_after = time.perf_counter()
+                said = after_step(step + 1, losses, lrs)
+                if said is not None and rank == 0:
+                    bar.write(said, file=sys.stdout)
+                after_s += time.perf_counter() - t_after
     finally:
         if profiler is not None:
             profiler.stop()
         bar.close()
-    return LoopResult(losses, lrs, tally, time.perf_counter() - train_start, (profile_at, profile_end))
+    window = (profile_at, profile_end)
+    return LoopResult(losses, lrs, tally, time.perf_counter() - train_start - after_s, window, start.step)

@@ -39,11 +39,12 @@ def shared_out_dir(out: str | None, rank: int, device: torch.device) -> Path:
 
 
 def write_history(path: Path, loss_table: Sequence[Sequence[float]], lrs: Sequence[float]) -> None:
-    """``loss_history.csv``: per step, the learning rate, the mean loss and each rank's."""
+    """``loss_history.csv``: per step, the learning rate, the mean loss and each rank's
+    (losses written in full, ``repr``: they read back as the very floats the run had)."""
     world = len(loss_table)
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "lr", "loss_mean", *(f"loss_rank{r}" for r in range(world))])
         for step, lr in enumerate(lrs):
             per_rank = [loss_table[r][step] for r in range(world)]
-            writer.writerow([step, f"{lr:.6g}", f"{sum(per_rank) / world:.6f}", *(f"{v:.6f}" for v in per_rank)])
+            writer.writerow([step, f"{lr:.6g}", repr(sum(per_rank) / world), *(repr(float(v)) for v in per_rank)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from z3kit.device import DeviceInfo
+from z3kit_recipes.train.checkpointing import CheckpointFigures
 from z3kit_recipes.zero3 import Zero3Stats
 from z3kit_recipes.train.corpus import CharVocab, Corpus
 from z3kit_recipes.train.memory import KINDS, MemoryFigures
@@ -23,10 +24,11 @@ def fmt_bytes(n: float | None) -> str:
 def render_summary(s: Summary) -> str:
     """The summary as text."""
     t, lo, live, cw, m = s.training, s.loss, s.live, s.comm_wait, s.model
+    ran = f"{t.steps} steps" if not t.first_step else f"steps {t.first_step}-{t.steps - 1} of {t.steps} (resumed)"
     lines = [
         "",
         f"z3kit zero3: {s.world} ranks ({s.backend}, {s.device}), GPT {m.n_layer} layers x {m.width} "
-        f"wide ({s.memory.model_numel:,} parameters), {t.steps} steps in {t.train_s:.1f} s "
+        f"wide ({s.memory.model_numel:,} parameters), {ran} in {t.train_s:.1f} s "
         f"({t.steps_per_s:.2f} steps/s, {t.tokens_per_s:,.0f} tokens/s); {t.total_s:.1f} s in all",
         f"loss            {lo.start:.3f} -> {lo.end:.3f}  (mean of the first / last {lo.window} steps, "
         "averaged over ranks)",
@@ -51,10 +53,28 @@ def render_summary(s: Summary) -> str:
         labels = ", ".join(f"{k} {v}" for k, v in s.profile.labels_rank0.items())
         steps = s.profile.steps
         lines.append(f"profile         steps {steps[0]}-{steps[-1]}: {labels} ranges in rank 0's trace")
+    lines += render_checkpoints(s.checkpoints)
     if s.sample.text:
         lines += ["sample:", "-" * 60, s.sample.text, "-" * 60]
     lines.append(f"written to {s.out}: {', '.join(s.files)}")
     return "\n".join(lines)
+
+
+def render_checkpoints(c: CheckpointFigures) -> list[str]:
+    """What the run loaded and wrote (nothing without those options)."""
+    lines = []
+    if c.init_from is not None:
+        lines.append(f"initialized     from {c.init_from}")
+    if c.resumed_from is not None:
+        lines.append(f"resumed         from {c.resumed_from} at step {c.resumed_at_step} "
+                     f"(saved at {c.resumed_world} ranks)")  # fmt: skip
+    if c.saved:
+        seconds = sum(x.seconds for x in c.saved)
+        steps = ", ".join(str(x.step) for x in c.saved)
+        lines.append(f"checkpoints     {len(c.saved)} saved (steps {steps}; {seconds:.1f} s), the last {c.saved[-1].path}")
+    if c.export is not None:
+        lines.append(f"exported        to {c.export} ({c.export_s or 0.0:.1f} s)")
+    return lines
 
 
 def render_memory(mem: MemoryFigures) -> list[str]:

@@ -18,6 +18,7 @@ import attrs
 
 from z3kit_recipes import zero3
 from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.train.checkpointing import CheckpointFigures
 from z3kit_recipes.train.corpus import Corpus
 from z3kit_recipes.train.loop import LoopResult, Tally
 from z3kit_recipes.train.memory import MemoryFigures
@@ -53,7 +54,10 @@ class CorpusFigures:
 
 @attrs.frozen
 class TrainingFigures:
+    #: every step of the run, the resumed ones included
     steps: int
+    #: the step this process started at (0, or the resumed checkpoint's); rates count the steps after it
+    first_step: int
     batch_size_per_rank: int
     gradient_accumulation_steps: int
     tokens_per_step: int
@@ -69,9 +73,11 @@ class TrainingFigures:
     @classmethod
     def of(cls, spec: RunSpec, loop: LoopResult, world: int, total_s: float) -> TrainingFigures:
         steps, tokens = len(loop.losses), spec.tokens_per_step(world)
+        run = steps - loop.first_step
         times = loop.tally.step_times
         return cls(
             steps=steps,
+            first_step=loop.first_step,
             batch_size_per_rank=spec.batch_size,
             gradient_accumulation_steps=spec.micro_steps,
             tokens_per_step=tokens,
@@ -79,9 +85,9 @@ class TrainingFigures:
             seed=spec.seed,
             train_s=loop.train_s,
             total_s=total_s,
-            steps_per_s=steps / loop.train_s,
+            steps_per_s=run / loop.train_s,
             median_step_s=statistics.median(times) if times else None,
-            tokens_per_s=steps * tokens / loop.train_s,
+            tokens_per_s=run * tokens / loop.train_s,
         )
 
 
@@ -225,6 +231,8 @@ class Summary:
     sample: SampleFigures
     profile: ProfileFigures | None
     files: list[str]
+    #: --init-from, --resume, --save-every, --export
+    checkpoints: CheckpointFigures
 
     def to_json(self) -> dict[str, Any]:
         """The summary as JSON data (``summary.json``): the records as objects, bytes as ints."""

@@ -34,6 +34,16 @@ class RunSpec:
     port: int | None = None
     threads: int = 1
     argv: tuple[str, ...] = ()
+    #: the ``--model-size`` preset the model came from (before --width etc.), for resume checks
+    model_size: str = ""
+    #: ``--save-every``: a checkpoint every so many optimizer steps and at the end (None: none)
+    save_every: int | None = None
+    #: ``--resume``: the checkpoint to continue from
+    resume: str | None = None
+    #: ``--init-from``: a Hugging Face-layout safetensors directory to start from
+    init_from: str | None = None
+    #: ``--export``: where to write the trained weights in that layout at the end
+    export: str | None = None
 
     @property
     def micro_steps(self) -> int:
