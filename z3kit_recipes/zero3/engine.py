@@ -501,6 +501,17 @@ class Zero3Engine:
         """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
         return load_checkpoint(self, path)
 
+    def load_deepspeed_checkpoint(
+        self, path: str | os.PathLike[str], *, tag: str | None = None, load_optimizer_hyperparameters: bool = False
+    ) -> dict[str, Any]:
+        """Load a DeepSpeed ZeRO-3 ``save_checkpoint`` directory, saved at any
+        world size (collective; see ``zero3.deepspeed_import``); returns its client state."""
+        from z3kit_recipes.zero3.deepspeed_import import load_deepspeed_checkpoint
+
+        return load_deepspeed_checkpoint(
+            self, path, tag=tag, load_optimizer_hyperparameters=load_optimizer_hyperparameters
+        )
+
     def load_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Load a Hugging Face checkpoint directory into the shards (see ``zero3.pretrained``)."""
         load_pretrained(self, path)
