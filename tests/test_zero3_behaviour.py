@@ -603,17 +603,25 @@ def bad_no_parameters(ctx: Any) -> dict[str, Any]:
 
 
 def bad_meta_device(ctx: Any) -> dict[str, Any]:
-    """On CPU there is no device that gloo cannot serve, but a parameter can
-    live where no collective can reach it: the meta device."""
+    """A meta parameter that nothing can initialize is refused by name and
+    nothing changes; once its module can initialize itself, a model that is
+    partly on the meta device trains (the rest comes from rank 0)."""
     from z3kit_recipes import zero3
 
-    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3, device="meta"))
+    class Bare(nn.Module):  # no reset_parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(3, 5, device="meta"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t()
+
+    model = nn.Sequential(nn.Linear(7, 5), Bare())
     err = _raises(lambda: zero3.initialize(model, _factory, Zero3Config(**SHARDED), ctx.group))
-    model[1].to_empty(device="cpu")
-    torch.manual_seed(0)
-    model[1].reset_parameters()
+    unchanged = model[0].weight.numel() == 35 and model[1].weight.is_meta
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3, device="meta"))
     engine = zero3.initialize(model, _factory, Zero3Config(**SHARDED), ctx.group)
-    return {"error": err, "losses": _trains(engine)}
+    return {"error": err, "unchanged": unchanged, "losses": _trains(engine)}
 
 
 def bad_config_value(ctx: Any) -> dict[str, Any]:
@@ -736,7 +744,8 @@ def test_bad_model_without_parameters(bad_inputs: list[dict[str, Any]]) -> None:
 
 def test_bad_parameter_on_meta_device(bad_inputs: list[dict[str, Any]]) -> None:
     for r in _case(bad_inputs, "meta_device"):
-        _assert_error(r["error"], "ValueError", "1.weight", "meta")
+        _assert_error(r["error"], "ValueError", "1.weight on the meta device", "param_init_fn")
+        assert r["unchanged"]
         assert r["losses"][-1] < r["losses"][0]
 
 
