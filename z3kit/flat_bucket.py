@@ -49,6 +49,10 @@ class BucketFlush:
         self._pending = pending
         self._parts = parts
 
+    def is_completed(self) -> bool:
+        """True once the reduction finished (``wait`` will not block)."""
+        return self._pending.is_completed()
+
     def wait(self) -> list[tuple[int, torch.Tensor]]:
         self._pending.wait()
         # a stale handle waited on again must not unlock a newer flush still in flight
@@ -90,6 +94,7 @@ class FlatBucket:
         )
         self._used = 0  # elements (all-reduce) or columns x world (reduce-scatter)
         self._entries: list[tuple[int, int, int]] = []  # (key, offset or column, shard_numel)
+        self._pending: dict[int, int] = {}  # reserved key -> its entry, until added
         self._in_flight: BucketFlush | None = None
 
     @property
@@ -116,34 +121,69 @@ class FlatBucket:
         """True if a gradient of ``numel`` elements does not fit in what is left."""
         return self._used + self.padded_numel(numel) > self.capacity
 
+    def reserve(self, key: int, numel: int) -> None:
+        """Take the next slice for a gradient of ``numel`` elements that ``add``
+        will fill later, in whatever order gradients arrive: a bucket whose
+        slices are all reserved up front has the same layout on every rank."""
+        self._take(key, numel)
+        self._pending[key] = len(self._entries) - 1
+
     def add(self, key: int, grad: torch.Tensor) -> None:
-        """Copy ``grad`` into the next slice; raises if it would overflow."""
+        """Copy ``grad`` into its reserved slice, or the next one; raises if it would overflow."""
         if self._in_flight is not None:
             raise ValueError("bucket is being reduced; wait on its flush before adding gradients")
         if grad.dtype != self.buffer.dtype:
             raise TypeError(f"gradient dtype {grad.dtype} differs from the bucket's {self.buffer.dtype}")
         if grad.device != self.buffer.device:
             raise ValueError(f"gradient is on {grad.device} but the bucket is on {self.buffer.device}")
-        numel = grad.numel()
+        index = self._pending.pop(key, None)
+        if index is None:
+            self._take(key, grad.numel())
+            index = len(self._entries) - 1
+        elif shard_numel_for(grad.numel(), self.world) != self._entries[index][2]:
+            raise ValueError(f"gradient {key} has {grad.numel()} elements; its reserved slice is for another size")
+        self._write(index, grad.reshape(-1))
+
+    def missing(self) -> list[int]:
+        """Keys reserved and not added yet."""
+        return list(self._pending)
+
+    def zero_missing(self) -> None:
+        """Zeros in every reserved slice that got no gradient (a parameter
+        unused on this rank): the bucket can be reduced with the rest."""
+        for index in self._pending.values():
+            _, where, shard = self._entries[index]
+            self._region(where, shard).zero_()
+        self._pending.clear()
+
+    def _take(self, key: int, numel: int) -> None:
+        if self._in_flight is not None:
+            raise ValueError("bucket is being reduced; wait on its flush before adding gradients")
         if self.would_overflow(numel):
             raise ValueError(
                 f"gradient of {numel} elements (padded {self.padded_numel(numel)}) overflows the bucket: "
                 f"{self.capacity - self._used} of {self.capacity} elements left; flush first"
             )
         shard = shard_numel_for(numel, self.world)
-        flat = grad.reshape(-1)
-        if self.mode is ReduceMode.ALL_REDUCE:
-            offset = self._used
-            self.buffer[offset : offset + numel].copy_(flat)
-            self.buffer[offset + numel : offset + shard * self.world].zero_()
-            self._entries.append((key, offset, shard))
-        else:
-            column = self._used // self.world
-            block = self.buffer.view(self.world, -1)[:, column : column + shard]
-            padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
-            block.copy_(padded.view(self.world, shard))
-            self._entries.append((key, column, shard))
+        where = self._used if self.mode is ReduceMode.ALL_REDUCE else self._used // self.world
+        self._entries.append((key, where, shard))
         self._used += shard * self.world
+
+    def _region(self, where: int, shard: int) -> torch.Tensor:
+        """The slice of entry at ``where`` (offset or column): flat, or (world, shard)."""
+        if self.mode is ReduceMode.ALL_REDUCE:
+            return self.buffer[where : where + shard * self.world]
+        return self.buffer.view(self.world, -1)[:, where : where + shard]
+
+    def _write(self, index: int, flat: torch.Tensor) -> None:
+        _, where, shard = self._entries[index]
+        numel = flat.numel()
+        if self.mode is ReduceMode.ALL_REDUCE:
+            self.buffer[where : where + numel].copy_(flat)
+            self.buffer[where + numel : where + shard * self.world].zero_()
+        else:
+            padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
+            self._region(where, shard).copy_(padded.view(self.world, shard))
 
     def flush(
         self,
@@ -159,6 +199,8 @@ class FlatBucket:
             raise ValueError("bucket is already being reduced; wait on the previous flush")
         if not self._entries:
             raise ValueError("flush of an empty bucket")
+        if self._pending:
+            raise ValueError(f"reserved gradients {sorted(self._pending)} were not added; add them or zero_missing() first")
         used, entries = self._used, self._entries
         parts: list[tuple[int, torch.Tensor]]
         if self.mode is ReduceMode.ALL_REDUCE:

@@ -178,6 +178,10 @@ class GatherHandle:
     def done(self) -> bool:
         return self._pending.done
 
+    def is_completed(self) -> bool:
+        """True once the collective finished (``wait`` will not block)."""
+        return self._pending.is_completed()
+
     @property
     def staging_numel(self) -> int:
         """Elements of the coalesced output buffer this gather holds until

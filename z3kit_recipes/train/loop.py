@@ -131,7 +131,7 @@ def train_steps(
         for step in range(start.step, spec.steps):
             t0 = time.perf_counter()
             step_lr = lr_at(step, schedule_steps, spec.lr)
-            for group in engine.optimizer.param_groups:
+            for group in engine.require_optimizer("training").param_groups:
                 group["lr"] = step_lr
             total = 0.0
             for micro in range(gas):

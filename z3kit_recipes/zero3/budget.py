@@ -12,7 +12,7 @@ Note: how the budget is split.
     only during backward, at the same time as the parameters gathered for
     it. Persistent parameters (under ``param_persistence_threshold``) stay
     gathered all the time and come off the top. Of the rest, a quarter goes
-    to the buckets (split between the two that alternate under
+    to the buckets (split between those that can be in flight or filling at once under
     ``overlap_comm``) and three quarters to gathered parameters: with the
     persistent ones, ``max_live_parameters``. A parameter is kept for reuse only when its
     reuse comes within that same window (``max_reuse_distance``). One

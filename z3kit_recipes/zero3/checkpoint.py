@@ -91,21 +91,19 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
         params_meta.append({"name": e.name, "shape": list(shard.shape), "dtype": str(e.tensor.dtype).removeprefix("torch."),
                             "trainable": e.master is not None})
         if e.master is not None:
-            for key, value in engine.optimizer.state.get(e.master, {}).items():
+            for key, value in engine.require_optimizer("save_checkpoint").state.get(e.master, {}).items():
                 sharded_like = isinstance(value, torch.Tensor) and value.shape == e.master.shape and value.dim() == 1
                 state[f"optim.{e.name}.{key}"] = _sharded(value, shard.numel, start, stop, mesh) if sharded_like else value
-    window = engine.reducer.partitions if engine.reducer is not None else None
     open_window: list[str] = []
-    if window is not None:
-        for slot, pid in enumerate(engine.trainable):
-            if window.has_grad(slot):
-                start, stop = layout.local_range(pid)
-                state[f"grads.{engine.param_names[pid]}"] = _sharded(window.views[slot], engine.shards[pid].numel, start, stop, mesh)
-                open_window.append(engine.param_names[pid])
+    for pid, grad in ({} if engine.reducer is None else engine.reducer.window_grads()).items():
+        start, stop = layout.local_range(pid)
+        state[f"grads.{engine.param_names[pid]}"] = _sharded(grad, engine.shards[pid].numel, start, stop, mesh)
+        open_window.append(engine.param_names[pid])
     for name, buffer in persistent_buffers(engine.module).items():
         state[f"buffers.{name}"] = buffer.detach()
     # one-tuples: DCP saves them whole (pickled), where it would split a dict or list into entries
-    state["optim.param_groups"] = ([{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],)
+    groups = [] if engine.optimizer is None else engine.optimizer.param_groups
+    state["optim.param_groups"] = ([{k: v for k, v in g.items() if k != "params"} for g in groups],)
     state["client_state"] = (dict(client_state or {}),)
     state[f"rng.rank{engine.rank}"] = (_random_state(engine.device),)
     global_step, micro_step = engine.progress()
@@ -153,7 +151,7 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
         start, stop = layout.local_range(e.pid)
         state[f"params.{e.name}"] = _sharded(e.tensor, shard.numel, start, stop, mesh)
         prefix = f"optim.{e.name}."
-        held = engine.optimizer.state.get(e.master, {}) if e.master is not None else {}
+        held = engine.require_optimizer("load_checkpoint").state.get(e.master, {}) if e.master is not None else {}
         for key in (k for k in stored if k.startswith(prefix)):
             size = getattr(stored[key], "size", None)
             props = getattr(stored[key], "properties", None)
@@ -191,13 +189,12 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
             shard = engine.shards[e.pid]
             if e.tensor is not shard.shard:  # separate fp32 master: the shard is its rounding, as after a step
                 shard.shard.copy_(e.tensor.detach())
-            engine.optimizer.state[e.master] = optim_targets.get(e.name, {})
-    for group, saved in zip(engine.optimizer.param_groups, state["optim.param_groups"][0]):
+            engine.require_optimizer("load_checkpoint").state[e.master] = optim_targets.get(e.name, {})
+    for group, saved in zip([] if engine.optimizer is None else engine.optimizer.param_groups,
+                            state["optim.param_groups"][0]):
         group.update(saved)
     if engine.reducer is not None:
-        engine.reducer.end_window()
-        for name, grad in grads.items():
-            engine.reducer.window().accumulate(engine.reducer.slot[engine.param_names.index(name)], grad)
+        engine.reducer.restore_window({engine.param_names.index(name): grad for name, grad in grads.items()})
     if same_world:
         _restore_random_state(state[f"rng.rank{engine.rank}"][0], engine.device)
     engine.restore_progress(manifest["global_step"], manifest["micro_step"], window_open=bool(manifest["open_window"]))

@@ -39,6 +39,13 @@ def _clipping(_: object, attribute: attrs.Attribute[float], value: float) -> Non
         raise ValueError(f"Zero3Config.gradient_clipping must be a finite number >= 0 (0 disables), got {value}")
 
 
+def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Zero3Config.{attribute.name} must be a number of seconds, got {type(value).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"Zero3Config.{attribute.name} must be a finite number of seconds > 0, got {value}")
+
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -85,6 +92,12 @@ class Zero3Config:
     reduce_scatter: bool | None = attrs.field(default=None)
     #: gathers in flight at once (demand fetches included)
     max_inflight_gathers: int = attrs.field(default=2, validator=_int_at_least(1))
+    #: seconds a collective may wait for the other ranks before the engine gives up and
+    #: names the ranks that did not answer (torch's own process-group timeout still applies)
+    collective_timeout_s: float = attrs.field(default=1800.0, validator=_positive_seconds)
+    #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
+    #: each training forward, as DDP's ``broadcast_buffers=True`` does
+    broadcast_buffers: bool = attrs.field(default=True, validator=_bool)
     #: bytes per rank for gathered parameters and gradient buckets (an int), or a
     #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model

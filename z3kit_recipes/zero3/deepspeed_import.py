@@ -406,7 +406,7 @@ def _hyperparameters(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint, files: _Ran
     source: dict[int, _Load] = {ld.pid: ld for ld in loads if ld.ds.group is not None}
     master_pid = {id(m): pid for pid, m in engine.layout.master_of().items()}
     out = []
-    for group in engine.optimizer.param_groups:
+    for group in [] if engine.optimizer is None else engine.optimizer.param_groups:
         found: dict[str, dict[str, Any]] = {}
         for master in group["params"]:
             ld = source.get(master_pid.get(id(master), -1))
@@ -518,7 +518,8 @@ def load_deepspeed_checkpoint(
 
     # everything matched and every file this rank needs is open: write
     masters = engine.layout.master_of()
-    group_of = {id(p): g for g in engine.optimizer.param_groups for p in g["params"]}
+    groups = [] if engine.optimizer is None else engine.optimizer.param_groups
+    group_of = {id(p): g for g in groups for p in g["params"]}
     with torch.no_grad():
         for ld in loads:
             engine.layout.fill_local(ld.pid, _slice(_values_source(files, ld.ds), ld, ckpt))
@@ -526,13 +527,14 @@ def load_deepspeed_checkpoint(
             if master is None or id(master) not in group_of:
                 continue
             state = _optimizer_state(ld, ckpt, files, master.detach(), group_of[id(master)])
+            optimizer = engine.require_optimizer("load_deepspeed_checkpoint")
             if state:
-                engine.optimizer.state[master] = state
+                optimizer.state[master] = state
             else:  # saved before DeepSpeed's first step, or an empty parameter
-                engine.optimizer.state.pop(master, None)
+                optimizer.state.pop(master, None)
         for name, buffer in persistent_buffers(engine.module).items():
             buffer.copy_(ckpt.buffers[name])
-    for group, values in zip(engine.optimizer.param_groups, hyper):
+    for group, values in zip(groups, hyper):
         group.update(values)
     if engine.reducer is not None:  # gradients accumulated before the load belong to other weights
         engine.reducer.end_window()

@@ -36,14 +36,16 @@ from z3kit.release import ReleasePolicy, StockReleasePolicy
 from z3kit.shard import ParamStatus, fill_partition, shard_numel_for
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
+from z3kit_recipes.zero3.agreement import RanksDisagree, StepRecord, check_step
 from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.layout import ShardLayout
 from z3kit_recipes.zero3.checkpoint import load_checkpoint, save_checkpoint
-from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES, load_pretrained, save_pretrained
+from z3kit_recipes.zero3.ranks import RankWatch
+from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES, load_pretrained, persistent_buffers, save_pretrained
 from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors, materialize
-from z3kit_recipes.zero3.grads import GradReducer
+from z3kit_recipes.zero3.grads import MAX_FLIGHTS, GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode, TimelineEvent
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -112,7 +114,7 @@ class Zero3Engine:
     def __init__(
         self,
         module: nn.Module,
-        optimizer_factory: OptimizerFactory,
+        optimizer_factory: OptimizerFactory | None,
         config: Zero3Config,
         group: ProcessGroup,
         device: torch.device,
@@ -133,6 +135,13 @@ class Zero3Engine:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.log = CollectiveLog()
+        self.global_step = 0  # optimizer steps taken
+        self.micro_step = 0  # backwards completed since initialize
+        self.watch = RankWatch(
+            group,
+            timeout_s=config.collective_timeout_s,
+            describe=lambda: f"at optimizer step {self.global_step}, micro-step {self.micro_step}",
+        )
         self.streams: StreamPairLike = stream_pair_for(device)
         dtype = config.torch_dtype
 
@@ -145,10 +154,14 @@ class Zero3Engine:
 
         # 1. the layout is allocated empty and the optimizer built on it; a
         #    factory that fails (on any rank) leaves every model untouched
-        layout = ShardLayout.allocate(params, rank=self.rank, world=self.world, dtype=dtype, device=device)
+        layout = ShardLayout.allocate(
+            params, rank=self.rank, world=self.world, dtype=dtype, device=device, trainable=optimizer_factory is not None
+        )
+        optimizer: torch.optim.Optimizer | None = None
         try:
-            optimizer = optimizer_factory(layout.masters)
-            _check_optimizer(optimizer, layout.masters)
+            if optimizer_factory is not None:
+                optimizer = optimizer_factory(layout.masters)
+                _check_optimizer(optimizer, layout.masters)
         except BaseException:
             failed_ranks(False, group, device)
             raise
@@ -169,7 +182,11 @@ class Zero3Engine:
         self.masters = layout.masters
         self.trainable = layout.trainable
         self.masters_are_shards = layout.masters_are_shards
+        #: None for an inference-only engine (``initialize(model, optimizer=None)``)
         self.optimizer = optimizer
+        if optimizer is None:
+            for p in params:
+                p.requires_grad_(False)  # nothing would consume their gradients
         self.memory.set(MemoryKind.PARAM_SHARDS, tensor_bytes(layout.flat))
         if not self.masters_are_shards:
             self.memory.set(MemoryKind.FP32_MASTERS, storage_bytes(self.masters))
@@ -181,6 +198,8 @@ class Zero3Engine:
         trainable = self.trainable
 
         hooked = fetch_groups(module, params, leaf_roots)
+        #: what this rank did since the last backward ended, compared across ranks then
+        self.record = StepRecord()
 
         self.trace, self.policy, self.limiter = trace, release_policy, limiter
         self.coordinator = ParamCoordinator(
@@ -193,15 +212,21 @@ class Zero3Engine:
             limiter=limiter,
             log=self.log,
             memory=self.memory,
+            record=self.record,
+            waiter=self.watch.wait,
             overlap=config.overlap_comm,
         )
         reduce_scatter = config.reduce_scatter
         if reduce_scatter is None:
             reduce_scatter = dist.get_backend(group) != "gloo"
+        #: reductions run on a process group of their own (see the Note in zero3.grads)
+        self.reduce_group = _twin_group(group) if trainable else group
         self.reducer = GradReducer(
             shards,
             trainable,
-            group=group,
+            group=self.reduce_group,
+            record=self.record,
+            waiter=self.watch.wait,
             streams=self.streams,
             log=self.log,
             memory=self.memory,
@@ -240,8 +265,6 @@ class Zero3Engine:
         self._param_ids = tuple(id(p) for p in params)
         self._watch_registrations()
 
-        self.micro_step = 0  # backwards completed since initialize
-        self.global_step = 0  # optimizer steps taken
         self._backward_since_step = False
         self._epilogue_queued = False
         self._last_grad_norm: float | None = None
@@ -279,6 +302,7 @@ class Zero3Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.watch.check("forward")
         if self._registrations_seen:
             self._check_parameters_unchanged()
         dtype = self.config.torch_dtype
@@ -294,12 +318,16 @@ class Zero3Engine:
             if self._new_memory_window:
                 self._new_memory_window = False
                 self.memory.reset_peaks()
+            if self.config.broadcast_buffers:
+                self._broadcast_buffers()
             self.coordinator.start_step()
         try:
             with self._use_mode:
                 out = self.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            position = self._position()
             self._abort()
+            self.watch.failed_here("forward", exc, position)
             raise
         finally:
             if not training:
@@ -307,6 +335,26 @@ class Zero3Engine:
         if not training:
             self.coordinator.release_all()
         return out
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics, ...) to every rank before a
+        training forward, as DDP does: one broadcast per dtype."""
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if self.world == 1 or not buffers:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([b.reshape(-1) for b in group])
+                broadcast(flat, 0, self.group, log=self.log)
+                for b, value in zip(group, flat.split([b.numel() for b in group])):
+                    b.copy_(value.view_as(b))
+
+    def _position(self) -> tuple[int, int]:
+        """Where this rank is in the step: gathers issued, modules fetched."""
+        return self.record.gathers, len(self.record.fetches)
 
     def _post_forward(self, module: nn.Module, output: Any) -> None:
         if in_backward():
@@ -336,6 +384,11 @@ class Zero3Engine:
             self.hooks.finish_backward()
             if self.reducer is not None:
                 self.reducer.finish()
+                try:
+                    self._agree_on_backward()
+                except RanksDisagree as exc:
+                    self.watch.broken = str(exc)  # every rank raised it: none may go on alone
+                    raise
             late = [self.param_names[p] for p in self.leaf_param_ids if self.shards[p].param.grad is not None]
             if late:
                 raise RuntimeError(
@@ -350,15 +403,43 @@ class Zero3Engine:
         self.micro_step += 1
         self._backward_since_step = True
 
+    def _agree_on_backward(self) -> None:
+        """Compare this backward across ranks; the parameters that got a
+        gradient on some rank are the window's (see ``zero3.agreement``)."""
+        assert self.reducer is not None
+        arrived = self.reducer.arrived
+        if self.world == 1:
+            used = [pid in arrived for pid in self.trainable]
+        else:
+            used = check_step(
+                self.reduce_group,
+                self.device,
+                self.watch.wait,
+                global_step=self.global_step,
+                micro_step=self.micro_step,
+                record=self.record,
+                used=[pid in arrived for pid in self.trainable],
+            )
+        self.record.clear()
+        self.reducer.mark_used(pid for pid, u in zip(self.trainable, used) if u)
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``; gradients are averaged over ranks and over the
         ``gradient_accumulation_steps`` micro-steps (no loss scaling needed)."""
+        self.require_optimizer("backward()")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward needs the loss tensor, got {type(loss).__name__}")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        self.watch.check("backward")
         before = self.micro_step
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException as exc:
+            position = self._position()
+            self._abort()
+            self.watch.failed_here("backward", exc, position)
+            raise
         if self.micro_step == before:  # nothing in backward reached a hook of ours
             self._end_of_backward()
 
@@ -369,6 +450,8 @@ class Zero3Engine:
     def step(self) -> bool:
         """Optimizer step at a gradient-accumulation boundary (returns True),
         otherwise nothing (False). Grads are cleared after the step."""
+        self.require_optimizer("step()")
+        self.watch.check("step()")
         if not self._backward_since_step:
             raise RuntimeError(
                 "step() called without a backward since the last step(): run engine.backward(loss) "
@@ -377,7 +460,7 @@ class Zero3Engine:
         self._backward_since_step = False
         if not self.is_accumulation_boundary():
             return False
-        if self.reducer is not None:
+        if self.reducer is not None and self.optimizer is not None:
             if self.config.gradient_clipping > 0:
                 self._last_grad_norm = float(self.reducer.clip_(self.config.gradient_clipping))
             for master, grad in zip(self.masters, self.reducer.optimizer_grads()):
@@ -445,14 +528,15 @@ class Zero3Engine:
         self.check_idle("gathered_parameters")
         pids = list(dict.fromkeys(self.coordinator.index[id(p)] for p in target.parameters()))
         self.coordinator.ensure_gathered(pids)
-        # pinned: a forward inside the block (on one rank only, say) then needs no collective
-        self.coordinator.hold(pids)
+        # pinned for the whole block: whatever runs inside it (a forward on one
+        # rank only, say) finds them gathered and needs no collective for them
+        self.coordinator.pin(pids)
         try:
             yield [self.shards[p].param for p in pids]
             if modifier_rank is not None:
                 self._adopt_full_values(pids, modifier_rank)
         finally:
-            self.coordinator.release_all()
+            self.coordinator.unpin(pids)
 
     def _adopt_full_values(self, pids: list[int], src: int) -> None:
         """Rank ``src``'s full values of ``pids`` into every rank's shards and
@@ -479,6 +563,12 @@ class Zero3Engine:
         self.coordinator.wait_inflight()
         self.coordinator.discard(range(len(self.shards)))
 
+    def require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        """The optimizer, or a clear error for an inference-only engine."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs an optimizer, and this engine was initialized with optimizer=None")
+        return self.optimizer
+
     def progress(self) -> tuple[int, int]:
         """(optimizer steps taken, backwards completed)."""
         return self.global_step, self.micro_step
@@ -487,8 +577,9 @@ class Zero3Engine:
         """Counters of a resumed run (``window_open``: backwards since its last optimizer step)."""
         self.global_step, self.micro_step = global_step, micro_step
         self._backward_since_step = window_open
-        self._state_entries = len(self.optimizer.state)
-        self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
+        if self.optimizer is not None:
+            self._state_entries = len(self.optimizer.state)
+            self.memory.set(MemoryKind.OPTIMIZER_STATE, _optimizer_state_bytes(self.optimizer))
 
     # -- weights in and out ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
@@ -573,29 +664,30 @@ class Zero3Engine:
     def eval(self) -> Zero3Engine:
         return self.train(False)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameter values by name, on CPU, on every rank (collective).
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full parameter values and persistent buffers by name, on CPU
+        (collective: every rank calls it), gathered one parameter at a time.
 
         Trainable parameters come from the fp32 master shards (in bf16 runs
         too, so a checkpoint keeps full precision); frozen ones in their
-        compute dtype.
+        compute dtype. With ``rank0_only`` the other ranks return ``{}`` and
+        hold one parameter at a time.
         """
-        with self.gathered_parameters() as params:
-            out = {name: p.detach().to("cpu", copy=True) for name, p in zip(self.param_names, params)}
-        if not self.masters_are_shards and self.masters:
-            flat = torch.cat([m.detach() for m in self.masters])
-            gathered = flat.new_empty(self.world * flat.numel())
-            all_gather(gathered, flat, self.group, log=self.log)
-            columns = gathered.view(self.world, -1).split([m.numel() for m in self.masters], dim=1)
-            for pid, column in zip(self.trainable, columns):
-                shard = self.shards[pid]
-                full = column.reshape(-1)[: shard.numel].view(shard.shape)
-                out[self.param_names[pid]] = full.to("cpu", copy=True)
+        self.check_idle("full_state_dict")
+        keep = not rank0_only or self.rank == 0
+        out: dict[str, torch.Tensor] = {}
+        for pid, name in enumerate(self.param_names):
+            full = self.layout.gather_full(pid, self.group, self.log)
+            if keep:
+                out[name] = full.view(self.shards[pid].shape).to("cpu", copy=True)
+        if keep:
+            out.update({name: b.detach().to("cpu", copy=True) for name, b in persistent_buffers(self.module).items()})
         return out
 
     # -- errors ---------------------------------------------------------------------------------------
     def _abort(self) -> None:
         """A forward raised: forget what was in progress, free what was gathered."""
+        self.record.clear()
         self.hooks.reset()
         self.coordinator.release_all()
         self.coordinator.tracing = False
@@ -641,6 +733,18 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     owner._buffers[attr] = value
+
+
+def _twin_group(group: ProcessGroup) -> ProcessGroup:
+    """A second process group over the same ranks and backend (collective over
+    those ranks only), so that two kinds of traffic keep their own order."""
+    if dist.get_world_size(group) == 1:
+        return group
+    twin: ProcessGroup | None = dist.new_group(
+        ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True
+    )
+    assert twin is not None
+    return twin
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -696,7 +800,7 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
 
 def initialize(
     model: nn.Module,
-    optimizer: OptimizerFactory,
+    optimizer: OptimizerFactory | None,
     config: Zero3Config | Mapping[str, Any] | None = None,
     process_group: ProcessGroup | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
@@ -710,7 +814,10 @@ def initialize(
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
 
-    ``optimizer`` is a factory that receives this rank's fp32 master shards.
+    ``optimizer`` is a factory that receives this rank's fp32 master shards,
+    or None for an inference-only engine (an RLHF reference model, say): no
+    masters, no gradient buffers, every parameter frozen; ``step`` and
+    ``backward`` are refused.
     ``config`` is a ``Zero3Config`` or a DeepSpeed config dict. ``trace``,
     ``release_policy`` and ``prefetch_limiter`` replace the stock policies
     (the config's knobs for them are then not used). Every argument is
@@ -724,10 +831,10 @@ def initialize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
         raise TypeError(
             "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
-            "it receives this rank's master shards"
+            "it receives this rank's master shards (or None for an engine that only runs forwards)"
         )
     if config is None:
         config = Zero3Config()
@@ -743,6 +850,11 @@ def initialize(
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
     if next(model.parameters(), None) is None:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
+    if optimizer is not None and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"every parameter of {type(model).__name__} is frozen (requires_grad=False): there is nothing to "
+            "optimize; pass optimizer=None for an engine that only runs forwards"
+        )
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 trains floating-point parameters")
@@ -806,5 +918,5 @@ def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module],
         largest_fetch_numel=max(sum(params[p].numel() for p in pids) for pids in groups.values()),
         persistent_numel=sum(p.numel() for p in params if p.numel() < config.param_persistence_threshold),
         world=world,
-        buckets=2 if config.overlap_comm else 1,
+        buckets=MAX_FLIGHTS + 1 if config.overlap_comm else 1,
     )

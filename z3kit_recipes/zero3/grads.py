@@ -4,15 +4,45 @@
 ready (from a grad-ready hook, or a leaf unit's callback), copies it into a
 ``FlatBucket``, reduces full buckets (sum, scaled to the data-parallel and
 micro-step mean), and copies or adds every rank-local partition into the
-``GradPartitionBuffer`` that the optimizer reads. With ``overlap_comm`` two
-buckets alternate: one fills while the other's reduction is in flight.
+``GradPartitionBuffer`` that the optimizer reads.
+
+Note: the same reductions on every rank.
+    Which gradients share a bucket, and in which order the buckets are
+    reduced, is a ``ReductionPlan`` fixed at initialize (parameters in
+    reverse order, as they usually finish in backward), the same on every
+    rank, and never the order in which gradients happen to arrive. A bucket
+    is reduced once all of its gradients are in and every bucket before it
+    was reduced; at the end of backward the gradients that never came (a
+    parameter unused on this rank, an expert without tokens, a branch whose
+    output did not reach this rank's loss) are zeros. So every rank issues
+    the same collectives, in the same order, whatever its graph did; the
+    reductions run on a process group of their own, so that they cannot
+    interleave differently with the gathers on different ranks. Which
+    parameters got a gradient on some rank is agreed at the end of backward
+    (``zero3.agreement``): one that got none anywhere has none for the
+    optimizer, as after ``zero_grad(set_to_none=True)``.
+
+Note: large gradients.
+    A gradient that needs no padding and would take half a bucket or more
+    is reduced in place, in the tensor autograd produced, instead of being
+    copied into a bucket: the copy would double the largest gradients (an
+    embedding, an LM head) at the start of backward, where everything
+    gathered for forward is still held.
+
+Note: what exists when.
+    Buckets are allocated when their first gradient arrives and dropped once
+    their reduction has landed; between backwards a rank holds none. The
+    partitions are allocated at the first landing of an accumulation window
+    and dropped by ``end_window`` after the optimizer step (or a
+    ``zero_grad``). Both are counted in the ``MemoryLedger``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import attrs
 import torch
 
 from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
@@ -21,29 +51,65 @@ from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
+from z3kit_recipes.zero3.agreement import StepRecord, Waiter
 from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.params import profiled
 
+#: reductions in flight at once before the oldest is waited for
+MAX_FLIGHTS = 2
+
+
+@attrs.frozen
+class ReductionPlan:
+    """Buckets of parameter ids, in the order they are reduced; a bucket of
+    one marked ``alone`` is reduced on its own (see the Note on large gradients)."""
+
+    buckets: tuple[tuple[int, ...], ...]
+    alone: tuple[bool, ...]
+    #: the bucket of each parameter id
+    bucket_of: dict[int, int]
+
+    @classmethod
+    def make(cls, order: Sequence[int], numels: dict[int, int], padded: dict[int, int], capacity: int) -> ReductionPlan:
+        buckets: list[tuple[int, ...]] = []
+        alone: list[bool] = []
+        current: list[int] = []
+        size = 0
+        for pid in order:
+            big = padded[pid] > capacity or (numels[pid] == padded[pid] and 2 * padded[pid] >= capacity)
+            if big or (current and size + padded[pid] > capacity):
+                if current:
+                    buckets.append(tuple(current))
+                    alone.append(False)
+                current, size = [], 0
+            if big:
+                buckets.append((pid,))
+                alone.append(True)
+            else:
+                current.append(pid)
+                size += padded[pid]
+        if current:
+            buckets.append(tuple(current))
+            alone.append(False)
+        bucket_of = {pid: b for b, pids in enumerate(buckets) for pid in pids}
+        return cls(tuple(buckets), tuple(alone), bucket_of)
+
+
+@attrs.define
+class _Flight:
+    """A reduction in flight: its handle, and what to land from it."""
+
+    pending: Pending | BucketFlush
+    #: (pid, this rank's partition) for an unbucketed one; a bucket's come from its flush
+    parts: list[tuple[int, torch.Tensor]]
+    #: bytes to free from the ledger once landed
+    nbytes: int
+    #: kept alive until landed (an unbucketed reduction's input)
+    keep: torch.Tensor | None = None
+
 
 class GradReducer:
-    """Per-rank gradient partitions of the trainable parameters.
-
-    Note: large gradients.
-        A gradient that needs no padding and would take half a bucket or
-        more is reduced in place, in the tensor autograd produced, instead
-        of being copied into a bucket: the copy would double the largest
-        gradients (an embedding, an LM head) at the very start of backward,
-        where everything gathered for forward is still held. It lands as
-        soon as its collective is done (checked at every later hand-over).
-
-    Note: what exists when.
-        Buckets are allocated when a backward hands over its first gradient
-        and dropped once its reductions have landed, at the end of that
-        backward: between backwards a rank holds none. The partitions are
-        allocated when the first reduced gradient of an accumulation window
-        lands and dropped by ``end_window`` after the optimizer step (or a
-        ``zero_grad``). Both are counted in the ``MemoryLedger``.
-    """
+    """Per-rank gradient partitions of the trainable parameters (see the Notes)."""
 
     def __init__(
         self,
@@ -51,6 +117,8 @@ class GradReducer:
         trainable: Sequence[int],
         *,
         group: ProcessGroup,
+        record: StepRecord,
+        waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
         memory: MemoryLedger,
@@ -63,28 +131,35 @@ class GradReducer:
     ) -> None:
         self.shards = shards
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
+        self.record = record
+        self.waiter = waiter
         self.mode, self.overlap, self.scale = mode, overlap, scale
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
+        self.bucket_dtype = bucket_dtype
         #: partition slot of each trainable parameter id
         self.slot = {pid: i for i, pid in enumerate(trainable)}
         self._partition_numels = [shards[p].shard_numel for p in trainable]
-        #: this window's partitions; None between an optimizer step and the first landing after it
-        self.partitions: GradPartitionBuffer | None = None
-        total = sum(shards[p].padded_numel for p in trainable)
+        self._numels = {pid: shards[pid].numel for pid in trainable}
+        self._padded = {pid: shards[pid].padded_numel for pid in trainable}
+        total = sum(self._padded.values())
         # no bucket is larger than what the whole model can fill, nor than a transient buffer may be
         capacity = min(bucket_size, total, transient_cap(total, self.world))
-        #: elements of one bucket (0: every gradient is reduced on its own)
+        #: elements of one bucket at most (0: every gradient is reduced on its own)
         self.bucket_capacity = capacity - capacity % self.world if contiguous and capacity >= self.world else 0
-        self._bucket_count = 2 if overlap else 1
-        self.buckets: list[FlatBucket | None] = [None] * self._bucket_count
-        self.bucket_dtype = bucket_dtype
-        self._current = 0
+        self.plan = ReductionPlan.make(list(reversed(trainable)), self._numels, self._padded, self.bucket_capacity)
+        #: this window's partitions; None between an optimizer step and the first landing after it
+        self.partitions: GradPartitionBuffer | None = None
+        #: parameters that got a gradient on some rank in this window (the rest have none for the optimizer)
+        self._window_used: set[int] = set()
+        #: parameters whose gradient arrived on this rank in this backward
+        self.arrived: set[int] = set()
+        self._buckets: dict[int, FlatBucket] = {}
+        self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
+        self._next = 0  # plan index of the next reduction to issue
+        self._flights: list[_Flight] = []
         #: seconds spent blocked on reductions
         self.comm_wait_s = 0.0
-        self._flights: dict[int, BucketFlush] = {}  # bucket index -> its reduction in flight
-        # unbucketed reductions in flight: (pid, this rank's partition, reduced input kept alive, handle)
-        self._alone: list[tuple[int, torch.Tensor, torch.Tensor, Pending]] = []
 
     # -- adding ------------------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor) -> None:
@@ -93,88 +168,105 @@ class GradReducer:
         does not use it afterwards."""
         if grad.dtype != self.bucket_dtype:
             grad = grad.to(self.bucket_dtype)
-        self._land_alone(finished_only=True)
-        padded = self.shards[pid].padded_numel
-        if padded > self.bucket_capacity or (padded == grad.numel() and 2 * padded >= self.bucket_capacity):
-            self._reduce_alone(pid, grad)
-            return
-        bucket = self._bucket(self._current)
-        if bucket.would_overflow(grad.numel()):
-            self._flush_current()
-            bucket = self._bucket(self._current)
-        bucket.add(pid, grad)
+        self.arrived.add(pid)
+        self._land(finished_only=True)
+        index = self.plan.bucket_of[pid]
+        if self.plan.alone[index]:
+            self._waiting[index] = grad
+            self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(grad))
+        else:
+            self._bucket(index).add(pid, grad)
+        self._issue_ready()
 
     def _bucket(self, index: int) -> FlatBucket:
-        bucket = self.buckets[index]
+        bucket = self._buckets.get(index)
         if bucket is None:
+            pids = self.plan.buckets[index]
             bucket = FlatBucket(
-                self.bucket_capacity,
+                sum(self._padded[p] for p in pids),
                 rank=self.rank,
                 world=self.world,
                 dtype=self.bucket_dtype,
                 device=self.device,
                 mode=self.mode,
             )
-            self.buckets[index] = bucket
+            for p in pids:  # one layout on every rank, whatever the arrival order
+                bucket.reserve(p, self._numels[p])
+            self._buckets[index] = bucket
             self.memory.allocate(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
         return bucket
 
-    def _drop_buckets(self) -> None:
-        for bucket in self.buckets:
-            if bucket is not None:
-                self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
-        self.buckets = [None] * self._bucket_count
-        self._current = 0
+    def _ready(self, index: int) -> bool:
+        if self.plan.alone[index]:
+            return index in self._waiting
+        bucket = self._buckets.get(index)
+        return bucket is not None and not bucket.missing()
 
-    def _reduce_alone(self, pid: int, grad: torch.Tensor) -> None:
-        """A gradient larger than a bucket, or one that would fill half of
-        it and needs no padding, gets a collective of its own (see the Note
-        on large gradients); the previous one lands first, so at most one is
-        held at a time."""
-        self._land_alone()
+    def _issue_ready(self) -> None:
+        while self._next < len(self.plan.buckets) and self._ready(self._next):
+            self._issue(self._next)
+            self._next += 1
+
+    def _issue(self, index: int) -> None:
+        self.record.reductions += 1
+        if len(self._flights) >= MAX_FLIGHTS:
+            self._land(oldest_only=True)
+        if self.plan.alone[index]:
+            self._flights.append(self._reduce_alone(self.plan.buckets[index][0], self._waiting.pop(index)))
+        else:
+            bucket = self._buckets.pop(index)
+            with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"), self.streams.on_comm():
+                flush = bucket.flush(self.group, scale=self.scale, async_op=True, log=self.log)
+            self.streams.hold_until_comm_done(bucket.buffer)
+            self._flights.append(_Flight(flush, [], bucket.nbytes, bucket.buffer))
+        if not self.overlap:
+            self._land()  # issued asynchronously all the same, so that the wait is a watched one
+
+    def _reduce_alone(self, pid: int, grad: torch.Tensor) -> _Flight:
+        """One gradient, reduced in place when it needs no padding, else through a padded copy."""
         shard = self.shards[pid]
+        held = tensor_bytes(grad)
         if grad.numel() == shard.padded_numel and grad.is_contiguous():
             padded = grad.view(-1)
         else:
             padded = grad.new_zeros(shard.padded_numel)
             padded[: grad.numel()].copy_(grad.reshape(-1))
+            self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
+            self.memory.free(MemoryKind.GRAD_BUCKETS, held)
+            held = tensor_bytes(padded)
         with self.streams.on_comm():
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 out = padded.new_empty(shard.shard_numel)
-                pending = reduce_scatter(
-                    out, padded, self.group, scale=self.scale, async_op=self.overlap, log=self.log
-                )
+                pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
-                pending = all_reduce(padded, self.group, scale=self.scale, async_op=self.overlap, log=self.log)
+                pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
                 size = shard.shard_numel
                 out = padded[self.rank * size : (self.rank + 1) * size]
         self.streams.hold_until_comm_done(padded)
-        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
-        self._alone.append((pid, out, padded, pending))
+        return _Flight(pending, [(pid, out)], held, padded)
 
-    def _flush_current(self) -> None:
-        index = self._current
-        bucket = self.buckets[index]
-        if bucket is None or bucket.is_empty():
-            return
-        with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"), self.streams.on_comm():
-            self._flights[index] = bucket.flush(self.group, scale=self.scale, async_op=self.overlap, log=self.log)
-        self.streams.hold_until_comm_done(bucket.buffer)
-        self._current = (index + 1) % len(self.buckets)
-        # the next bucket may still be reducing: finish it before it takes gradients
-        self._land(self._current)
-
-    def _land(self, index: int) -> None:
-        flight = self._flights.pop(index, None)
-        if flight is None:
-            return
-        start = time.perf_counter()
-        parts = flight.wait()
-        self.streams.compute_wait_comm()
-        self.comm_wait_s += time.perf_counter() - start
-        partitions = self.window()
-        for pid, part in parts:
-            partitions.accumulate(self.slot[pid], part)
+    def _land(self, *, finished_only: bool = False, oldest_only: bool = False) -> None:
+        """Land reductions in flight, in order: all, those already finished, or the oldest."""
+        while self._flights:
+            flight = self._flights[0]
+            if finished_only and not flight.pending.is_completed():
+                return
+            self._flights.pop(0)
+            start = time.perf_counter()
+            pending = flight.pending
+            if isinstance(pending, BucketFlush):
+                parts = self.waiter(pending.is_completed, pending.wait)
+            else:
+                self.waiter(pending.is_completed, pending.wait)
+                parts = flight.parts
+            self.streams.compute_wait_comm()
+            self.comm_wait_s += time.perf_counter() - start
+            partitions = self.window()
+            for pid, part in parts:
+                partitions.accumulate(self.slot[pid], part)
+            self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
+            if oldest_only:
+                return
 
     def window(self) -> GradPartitionBuffer:
         """This window's partitions, allocated at its first landing."""
@@ -184,49 +276,60 @@ class GradReducer:
         return self.partitions
 
     def finish(self) -> None:
-        """End of backward: reduce what is left, land every partition, drop the buckets."""
-        self._flush_current()
-        for index in list(self._flights):
-            self._land(index)
-        self._land_alone()
-        self._drop_buckets()
+        """End of backward: zeros for the gradients that never came, every
+        remaining reduction issued in plan order, every partition landed."""
+        for index in range(self._next, len(self.plan.buckets)):
+            if self.plan.alone[index]:
+                if index not in self._waiting:
+                    pid = self.plan.buckets[index][0]
+                    self._waiting[index] = torch.zeros(self._padded[pid], dtype=self.bucket_dtype, device=self.device)
+                    self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(self._waiting[index]))
+            else:
+                self._bucket(index).zero_missing()
+        self._issue_ready()
+        self._land()
+        self._next = 0
 
-    def _land_alone(self, finished_only: bool = False) -> None:
-        """Land the unbucketed reductions in flight (with ``finished_only``,
-        those that completed already, without waiting)."""
-        waiting = []
-        for flight in self._alone:
-            pid, out, padded, pending = flight
-            if finished_only and not pending.is_completed():
-                waiting.append(flight)
-                continue
-            start = time.perf_counter()
-            pending.wait()
-            self.streams.compute_wait_comm()
-            self.comm_wait_s += time.perf_counter() - start
-            self.window().accumulate(self.slot[pid], out)
-            self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
-        self._alone = waiting
+    def mark_used(self, pids: Iterable[int]) -> None:
+        """These parameters got a gradient on some rank in this backward (agreed across ranks)."""
+        self._window_used.update(pids)
+        self.arrived.clear()
 
     # -- optimizer side ---------------------------------------------------------------
     def optimizer_grads(self) -> list[torch.Tensor | None]:
-        """Each trainable parameter's accumulated partition, None where it got no gradient this window."""
+        """Each trainable parameter's accumulated partition, None where no rank
+        gave it a gradient this window."""
         if self.partitions is None:
             return [None] * len(self._partition_numels)
-        return self.partitions.optimizer_grads()
+        views = self.partitions.optimizer_grads()
+        return [v if pid in self._window_used else None for pid, v in zip(self.slot, views)]
+
+    def window_grads(self) -> dict[int, torch.Tensor]:
+        """The open window's partitions of the parameters that have a gradient, by id."""
+        grads = self.optimizer_grads()
+        return {pid: g for pid, g in zip(self.slot, grads) if g is not None}
+
+    def restore_window(self, grads: dict[int, torch.Tensor]) -> None:
+        """Replace the open window by ``grads`` (partitions by parameter id; a resume)."""
+        self.end_window()
+        for pid, grad in grads.items():
+            self.window().accumulate(self.slot[pid], grad)
+        self._window_used = set(grads)
 
     def end_window(self) -> None:
         """The optimizer consumed the window (or it was discarded): drop the partitions."""
         if self.partitions is not None:
             self.memory.free(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
             self.partitions = None
+        self._window_used = set()
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the partitions so the global gradient norm is at most
         ``max_norm``; returns the norm before clipping."""
         local = self.partitions.squared_norm() if self.partitions is not None else torch.zeros((), device=self.device)
         squared = local.reshape(1).to(torch.float32)
-        all_reduce(squared, self.group, log=self.log)
+        pending = all_reduce(squared, self.group, async_op=True, log=self.log)
+        self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0 and self.partitions is not None:

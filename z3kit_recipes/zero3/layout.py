@@ -67,19 +67,21 @@ class ShardLayout:
         world: int,
         dtype: torch.dtype,
         device: torch.device,
+        trainable: bool = True,
     ) -> ShardLayout:
-        """Empty shards (and masters) for ``params``; the parameters keep their values."""
+        """Empty shards (and masters) for ``params``; the parameters keep their
+        values. ``trainable=False``: no masters at all (an inference-only engine)."""
         sizes = [shard_numel_for(p.numel(), world) for p in params]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         shards = [
             ParamShard(p, p.shape, p.numel(), rank, world, view) for p, view in zip(params, flat.split(sizes))
         ]
-        trainable = [pid for pid, p in enumerate(params) if p.requires_grad]
+        trainable_ids = [pid for pid, p in enumerate(params) if p.requires_grad] if trainable else []
         if dtype == torch.float32:
-            masters = [nn.Parameter(shards[pid].shard) for pid in trainable]
+            masters = [nn.Parameter(shards[pid].shard) for pid in trainable_ids]
         else:
-            masters = [nn.Parameter(torch.empty(sizes[pid], dtype=torch.float32, device=device)) for pid in trainable]
-        return cls(shards, flat, trainable, masters)
+            masters = [nn.Parameter(torch.empty(sizes[pid], dtype=torch.float32, device=device)) for pid in trainable_ids]
+        return cls(shards, flat, trainable_ids, masters)
 
     def master_of(self) -> dict[int, nn.Parameter]:
         """Master shard by parameter id (trainable parameters only)."""

@@ -48,6 +48,7 @@ from z3kit.release import ReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder, TraceState, TraceStep
+from z3kit_recipes.zero3.agreement import StepRecord, Waiter
 
 
 def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
@@ -86,10 +87,15 @@ class ParamCoordinator:
         limiter: PrefetchLimiter,
         log: CollectiveLog,
         memory: MemoryLedger,
+        record: StepRecord,
+        waiter: Waiter,
         overlap: bool,
     ) -> None:
         self.shards = list(shards)
         self.memory = memory
+        self.record = record
+        #: completes a collective: ``waiter(done, wait)`` (the engine watches the ranks' notice board meanwhile)
+        self.waiter = waiter
         self._element_size = self.shards[0].shard.element_size()
         #: bytes of each parameter's gathered storage (its padded full size)
         self._gathered_bytes = [s.padded_numel * self._element_size for s in self.shards]
@@ -107,6 +113,8 @@ class ParamCoordinator:
         self.tracing = False
         self._handles: dict[int, GatherHandle] = {}
         self._users = [0] * len(self.shards)
+        #: parameters pinned by ``pin`` (gathered_parameters), with their pin counts
+        self._pins: dict[int, int] = {}
         self._holders: set[nn.Module] = set()
         self._fetch_step: dict[nn.Module, int] = {}
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
@@ -134,20 +142,18 @@ class ParamCoordinator:
         numel = sum(self.numels[p] for p in pids)
         self.limiter.on_gather(numel)
         with self.streams.on_comm():
-            handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=async_op, log=self.log)
+            handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=True, log=self.log)
+        self.record.gathers += 1
         # one parameter is gathered into its own buffer; several into an output
         # buffer that wait() copies out of (both exist for a moment) and frees
         self.memory.allocate(
             MemoryKind.GATHERED_PARAMS,
             handle.staging_numel * self._element_size if handle.staging_numel else self._gathered_bytes[pids[0]],
         )
-        if async_op:
-            for p in pids:
-                self._handles[p] = handle
-        else:
-            self.streams.compute_wait_comm()
-            self._copied_out(handle)
-            self.limiter.on_gather_done()
+        for p in pids:
+            self._handles[p] = handle
+        if not async_op:
+            self._wait(pids[0])
         return handle
 
     def _copied_out(self, handle: GatherHandle) -> None:
@@ -160,7 +166,7 @@ class ParamCoordinator:
     def _wait(self, pid: int) -> None:
         handle = self._handles[pid]
         start = time.perf_counter()
-        handle.wait()
+        self.waiter(handle.is_completed, handle.wait)
         self.streams.compute_wait_comm()
         self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
@@ -179,9 +185,7 @@ class ParamCoordinator:
             elif status is ParamStatus.INFLIGHT:
                 inflight.append(p)
         if missing:
-            start = time.perf_counter()
             self._gather(missing, async_op=False)
-            self.comm_wait_s += time.perf_counter() - start
         for p in inflight:
             if self.shards[p].status is ParamStatus.INFLIGHT:
                 self._wait(p)
@@ -193,6 +197,7 @@ class ParamCoordinator:
         matches = False
         if self.tracing:
             ids, numels = self._fetch_key[module]
+            self.record.fetches.append((self.names[module], sum(numels)))
             matches = self.trace.on_fetch(self.module_keys[module], ids, numels)
             self._fetch_step[module] = self.trace.step - 1
         live_before = self.limiter.live_numel
@@ -234,28 +239,34 @@ class ParamCoordinator:
         else:  # outside a traced step (eval, no_grad) nothing is coming back soon
             chosen = [p for p, _ in candidates]
         with profiled(f"z3kit.release {self.names[module]}"):
-            for p in chosen:
-                self._free(p)
+            self._free(chosen)
         self._note("release", module, sum(self.numels[p] for p in chosen))
 
     def discard(self, pids: Iterable[int]) -> None:
         """Free the gathered copies of ``pids`` (their shards changed); the
         next use gathers them afresh."""
-        for p in pids:
-            self._free(p)
+        self._free(pids)
 
-    def _free(self, pid: int) -> None:
-        shard = self.shards[pid]
-        if shard.status is ParamStatus.AVAILABLE:
+    def _free(self, pids: Iterable[int]) -> None:
+        """Release those of ``pids`` that are gathered."""
+        numel = nbytes = 0
+        look_back = self._steps is not None and self._frontier > self.trace.step
+        for pid in pids:
+            shard = self.shards[pid]
+            if shard.status is not ParamStatus.AVAILABLE:
+                continue
             shard.release()
-            self.limiter.on_release(self.numels[pid])
-            self.memory.free(MemoryKind.GATHERED_PARAMS, self._gathered_bytes[pid])
-            if self._steps is not None:
+            numel += self.numels[pid]
+            nbytes += self._gathered_bytes[pid]
+            if look_back:
                 # prefetch looked past this parameter's next use while it was
                 # gathered: that use needs it again, so look there again
                 nxt = self.trace.next_use(pid, self.trace.step - 1)
                 if nxt is not None and nxt < self._frontier:
                     self._frontier = nxt
+        if numel or nbytes:
+            self.limiter.on_release(numel)
+            self.memory.free(MemoryKind.GATHERED_PARAMS, nbytes)
 
     def params_in(self, output: Any) -> set[int]:
         """Managed parameters that appear in a module's output."""
@@ -295,10 +306,26 @@ class ParamCoordinator:
             self._note("prefetch", None, total)
 
     # -- whole-model transitions -----------------------------------------------------------
-    def hold(self, pids: Iterable[int]) -> None:
-        """Pin ``pids`` gathered until the next ``release_all`` (no module exit frees them)."""
+    def pin(self, pids: Iterable[int]) -> None:
+        """Keep ``pids`` gathered until ``unpin``: no module exit and no
+        ``release_all`` frees them (``gathered_parameters``)."""
         for p in pids:
+            self._pins[p] = self._pins.get(p, 0) + 1
             self._users[p] += 1
+
+    def unpin(self, pids: Iterable[int]) -> None:
+        """Undo one ``pin`` of ``pids``; free those no longer pinned or used."""
+        freed = []
+        for p in pids:
+            left = self._pins[p] - 1
+            if left:
+                self._pins[p] = left
+            else:
+                del self._pins[p]
+            self._users[p] -= 1
+            if self._users[p] == 0 and not self.persistent[p]:
+                freed.append(p)
+        self.discard(freed)
 
     def wait_inflight(self) -> None:
         """Wait for every gather in flight; nothing is released."""
@@ -307,24 +334,26 @@ class ParamCoordinator:
                 self._wait(p)
 
     def release_all(self) -> None:
-        """Wait for gathers in flight and free every non-persistent parameter
-        (end of backward, after an eval forward, after an error)."""
+        """Wait for gathers in flight and free every parameter that is neither
+        persistent nor pinned (end of backward, after an eval forward, after an error)."""
         self.wait_inflight()
         self._holders.clear()
         self._users = [0] * len(self.shards)
-        for p, shard in enumerate(self.shards):
-            if not self.persistent[p]:
-                self._free(p)
+        for p, count in self._pins.items():
+            self._users[p] = count
+        self._free(p for p in self._gathered_set() if not self.persistent[p] and p not in self._pins)
         self._steps = None
         self._frontier = 0
+
+    def _gathered_set(self) -> list[int]:
+        return [p for p, s in enumerate(self.shards) if s.status is ParamStatus.AVAILABLE]
 
     def refresh_persistent(self) -> None:
         """After an optimizer step the shards changed: drop stale gathered
         copies of persistent parameters and re-gather them in one collective
         (asynchronously with ``overlap_comm``), ready for the next forward."""
-        stale = [p for p, s in enumerate(self.shards) if self.persistent[p] and s.status is ParamStatus.AVAILABLE]
-        for p in stale:
-            self._free(p)
+        stale = [p for p in self._gathered_set() if self.persistent[p]]
+        self._free(stale)
         if stale:
             self._gather(stale, async_op=self.overlap)
 

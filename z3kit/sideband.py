@@ -1,0 +1,122 @@
+"""A notice board for the ranks of a process group, outside every collective.
+
+A collective can only tell a rank what the others are doing once they
+all join it. When one rank fails, skips its batch or dies, the others are
+already waiting in a collective it will never join, and would wait for the
+process group's timeout (30 minutes by default) with nothing to say. The
+notice board is the rendezvous store that every process of a
+``torch.distributed`` job shares (a key-value server on rank 0's host): a
+rank that gives up posts why, and a rank whose collective takes unusually
+long looks at the board (``WatchedWait``) and raises what it finds, so
+every rank stops within a fraction of a second with the same message.
+
+Note: the cost.
+    Posting is one store write; looking is one store round trip
+    (``add(key, 0)`` returns the count of notices) and is done only by a
+    rank already blocked for ``poll_s`` (50 ms): a collective that finishes
+    in time never touches the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+
+@attrs.frozen
+class Notice:
+    rank: int
+    message: str
+
+
+def default_store() -> Any | None:
+    """The store every process of the job shares, or None where there is none."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None or not dist.is_initialized():
+        return None
+    try:
+        return get()
+    except (RuntimeError, ValueError):
+        return None
+
+
+class SideBand:
+    """Notices under ``prefix`` in ``store`` (one board per engine)."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+        self._store, self._prefix, self.rank, self.world = store, prefix, rank, world
+        self._posted = 0
+        self._seen_total = 0
+        self._cursor = [0] * world  # notices of each rank read so far
+
+    def post(self, message: str) -> None:
+        """Tell every rank ``message``."""
+        self._store.set(f"{self._prefix}/{self.rank}/{self._posted}", message)
+        self._posted += 1
+        self._store.add(f"{self._prefix}/count", 1)
+
+    def count(self) -> int:
+        return int(self._store.add(f"{self._prefix}/count", 0))
+
+    def unread(self) -> list[Notice]:
+        """Notices the other ranks posted since the last call, in rank order."""
+        total = self.count()
+        if total == self._seen_total:
+            return []
+        self._seen_total = total
+        out = []
+        for rank in range(self.world):
+            while rank != self.rank:
+                key = f"{self._prefix}/{rank}/{self._cursor[rank]}"
+                if not self._store.check([key]):
+                    break
+                out.append(Notice(rank, self._store.get(key).decode()))
+                self._cursor[rank] += 1
+        return out
+
+
+class WatchedWait:
+    """Waits on collectives while watching a ``SideBand``.
+
+    ``wait(done, wait)``: ``done()`` says whether the collective finished
+    and ``wait()`` completes it. While it is not done, every ``poll_s``
+    the board is read, and ``on_notice`` is called with what other ranks
+    posted (it raises, typically). Past ``timeout_s``, ``on_timeout`` is
+    called with the seconds waited.
+    """
+
+    def __init__(
+        self,
+        board: SideBand | None,
+        on_notice: Callable[[list[Notice]], None],
+        on_timeout: Callable[[float], None],
+        *,
+        timeout_s: float,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.board, self.on_notice, self.on_timeout = board, on_notice, on_timeout
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def wait(self, done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
+        if self.board is None or done():
+            return wait()
+        start = time.monotonic()
+        next_look = start + self.poll_s
+        pause = 1e-5
+        while not done():
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)  # a short collective costs little latency, a long one little CPU
+            now = time.monotonic()
+            if now >= next_look:
+                notices = self.board.unread()
+                if notices:
+                    self.on_notice(notices)
+                next_look = now + self.poll_s
+            if now - start > self.timeout_s:
+                self.on_timeout(now - start)
+                start = now  # on_timeout returned: keep waiting, and ask again after another timeout
+        return wait()

@@ -1,0 +1,119 @@
+"""Ranks that disagree get the same clear error, never a hang.
+
+At the end of every backward the ranks compare, in one small all-gather,
+where they are (optimizer step, micro-step), what they did (how many
+gathers and reductions they issued, and a fingerprint of the modules they
+fetched, in order), and which parameters got a gradient. Which parameters
+got a gradient on some rank is what the optimizer then sees (the rest
+have none, as after ``zero_grad(set_to_none=True)``); any other difference
+means the ranks no longer run the same program, and every rank raises
+``RanksDisagree`` with the same message: the first fetch at which they
+differ, and what each rank did there. ``zero3.sideband`` covers the cases
+where a rank cannot reach the check at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from z3kit.collectives import ProcessGroup, all_gather
+
+#: completes a collective while watching the other ranks: ``waiter(done, wait)``
+Waiter = Callable[[Callable[[], bool], Callable[[], Any]], Any]
+
+
+def plain_wait(done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
+    """A ``Waiter`` that just waits (one rank, or no notice board)."""
+    return wait()
+
+
+#: words of the header every rank sends: step, micro-step, gathers, reductions, fetch count, fingerprint
+HEADER_WORDS = 6
+_MASK = (1 << 62) - 1
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks are not running the same training step; raised on every rank."""
+
+
+@attrs.define
+class StepRecord:
+    """What one rank did in the current backward (and the forward before it)."""
+
+    #: (module name, elements) of every fetch, in order
+    fetches: list[tuple[str, int]] = attrs.field(factory=list)
+    gathers: int = 0
+    reductions: int = 0
+
+    def fingerprint(self) -> int:
+        # not hash(): string hashes differ between processes
+        digest = hashlib.blake2b(repr(self.fetches).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & _MASK
+
+    def clear(self) -> None:
+        self.fetches.clear()
+        self.gathers = self.reductions = 0
+
+
+def check_step(
+    group: ProcessGroup,
+    device: torch.device,
+    waiter: Waiter,
+    *,
+    global_step: int,
+    micro_step: int,
+    record: StepRecord,
+    used: Sequence[bool],
+) -> list[bool]:
+    """Compare this backward across ranks (collective); returns, for each
+    trainable parameter, whether any rank gave it a gradient. Raises
+    ``RanksDisagree`` on every rank when anything else differs."""
+    world = dist.get_world_size(group)
+    words = [global_step, micro_step, record.gathers, record.reductions, len(record.fetches), record.fingerprint()]
+    flags = torch.zeros((len(used) + 7) // 8 * 8, dtype=torch.uint8)  # one byte a parameter, eight to a word
+    flags[: len(used)] = torch.tensor(list(used), dtype=torch.uint8)
+    mine = torch.cat([torch.tensor(words, dtype=torch.int64), flags.view(torch.int64)]).to(device)
+    everyone = mine.new_empty(world * mine.numel())
+    pending = all_gather(everyone, mine, group, async_op=True)
+    waiter(pending.is_completed, pending.wait)
+    table = everyone.view(world, -1).cpu()
+    headers = table[:, :HEADER_WORDS].tolist()
+    if any(h != headers[0] for h in headers):
+        _raise_disagreement(group, headers, record)
+    flags_of_all = table[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : len(used)]
+    out: list[bool] = flags_of_all.amax(dim=0).bool().tolist() if len(used) else []
+    return out
+
+
+def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], record: StepRecord) -> None:
+    """Every rank learns every rank's fetches and raises the same message."""
+    world = dist.get_world_size(group)
+    fetches: list[list[tuple[str, int]] | None] = [None] * world
+    dist.all_gather_object(fetches, record.fetches, group=group)
+    logs = [f or [] for f in fetches]
+    steps = sorted({(h[0], h[1]) for h in headers})
+    lines = [f"the ranks are not running the same step: at the end of backward they are at (optimizer step, "
+             f"micro-step) {', '.join(f'rank {r} {tuple(h[:2])}' for r, h in enumerate(headers))}"]
+    first = next((i for i in range(max(map(len, logs))) if len({tuple(log[i]) if i < len(log) else None
+                                                              for log in logs}) > 1), None)
+    if first is not None:
+        did = [f"rank {r} fetched {log[first][0]!r} ({log[first][1]:,} elements)" if first < len(log)
+               else f"rank {r} had no fetch #{first} (its step had {len(log)})" for r, log in enumerate(logs)]
+        lines.append(f"first difference at fetch #{first} of the step: " + "; ".join(did))
+    else:
+        lines.append("they fetched the same modules; collectives issued (gathers, reductions): "
+                     + ", ".join(f"rank {r} ({h[2]}, {h[3]})" for r, h in enumerate(headers)))
+    if len(steps) > 1:
+        lines.append("a rank skipped a micro-step, or ran one more: every rank must run the same number of "
+                     "forward/backward passes between optimizer steps")
+    else:
+        lines.append("a module ran a different number of times, or on some ranks only; every rank must fetch "
+                     "the same modules in the same order (mark a rank-dependent subtree as a leaf module, so "
+                     "that it is gathered as one unit)")
+    raise RanksDisagree("; ".join(lines))
