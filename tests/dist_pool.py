@@ -38,6 +38,10 @@ class WorkerContext:
     group: Any  # torch.distributed.ProcessGroup (the world group, passed explicitly)
 
 
+#: the result of a rank whose process exited (``DistPool.run(..., lost_ok=True)``)
+LOST = "<process exited>"
+
+
 class RankFailure(AssertionError):
     """One or more ranks raised; the message holds their tracebacks."""
 
@@ -97,8 +101,12 @@ class DistPool:
             pickle.loads(conn.recv_bytes())
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every rank; results by rank."""
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, lost_ok: bool = False, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; results by rank.
+        ``lost_ok``: a rank whose process exits gives the result ``LOST``
+        (for tests of a rank that dies; the pool is broken afterwards)."""
         message = pickle.dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(message)
@@ -111,7 +119,11 @@ class DistPool:
             limit = min(deadline, (time.monotonic() + 10.0) if errors else deadline)
             ready = [r for r in pending if self._conns[r].poll(0.01)]
             for r in ready:
-                status, value = pickle.loads(self._conns[r].recv_bytes())
+                try:
+                    status, value = pickle.loads(self._conns[r].recv_bytes())
+                except EOFError:
+                    self.broken = True
+                    status, value = ("ok", LOST) if lost_ok else ("err", f"rank {r}'s process exited\n")
                 pending.discard(r)
                 if status == "ok":
                     results[r] = value

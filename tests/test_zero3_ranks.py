@@ -172,3 +172,243 @@ def test_gathered_parameters_keeps_its_pins_through_one_rank_forwards(pools: Any
         torch.testing.assert_close(out, results[0]["plain"])
     for r in results:
         assert r["calls_inside"] == 0 and r["gathered_inside"] > 0 and r["gathered_after"] == 0
+
+
+# --------------------------------------------------------------------------- #
+# Rank-dependent gradients: zeros where absent, the same collectives everywhere
+# --------------------------------------------------------------------------- #
+
+
+class RankBranch(nn.Module):
+    """``side`` runs on every rank; its output reaches the loss on rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.side = nn.Linear(HIDDEN, D_OUT)
+        self.head = nn.Linear(HIDDEN, D_OUT)
+
+    def forward(self, x: torch.Tensor, feed_side: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        side = self.side(h)
+        out = self.head(h)
+        return out + side if feed_side else out
+
+
+def run_rank_branch(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(7)
+    model = RankBranch()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=ctx.group,
+                                              find_unused_parameters=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    group = dist_fresh_group(ctx)
+    engine = zero3.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3), zero3.Zero3Config(**config), group)
+    losses = []
+    calls = []
+    for step in range(5):
+        b = vec_batch(ctx.rank, step, 0, 0)
+        feed = ctx.rank == 0 or step % 2 == 1  # on odd steps every rank feeds it
+        before = engine.log.total_calls()
+        loss = F.mse_loss(engine(b["x"], feed), b["y"])
+        engine.backward(loss)
+        engine.step()
+        calls.append(engine.log.total_calls() - before)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = F.mse_loss(ref(b["x"], feed), b["y"])
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append((float(loss), float(ref_loss)))
+    return {"losses": losses, "calls": calls, "params": engine.full_state_dict(),
+            "ref": {n: p.detach().clone() for n, p in ref.module.named_parameters()}}
+
+
+def dist_fresh_group(ctx: Any) -> Any:
+    """A group of its own: a test that leaves collectives unfinished does not touch the pool's."""
+    import torch.distributed as dist
+
+    return dist.new_group(ranks=list(range(ctx.world)), use_local_synchronization=True)
+
+
+@pytest.mark.parametrize(("world", "config"), [
+    (2, {"param_persistence_threshold": 0}),
+    (3, {"param_persistence_threshold": 0}),  # shards padded unevenly
+    (4, {"param_persistence_threshold": 0}),
+    (2, {"param_persistence_threshold": 0, "overlap_comm": False}),
+    (4, {"param_persistence_threshold": 0, "overlap_comm": False}),
+    (3, {"param_persistence_threshold": 0, "reduce_bucket_size": 50, "check_every_fetch": True}),
+])
+def test_gradient_on_some_ranks_only_matches_ddp(pools: Any, world: int, config: dict[str, Any]) -> None:
+    results = pools.run(world, run_rank_branch, config)
+    for r in results:
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        for name, want in r["ref"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6)
+    # the same collectives on every rank, every step
+    assert all(r["calls"] == results[0]["calls"] for r in results)
+
+
+# --------------------------------------------------------------------------- #
+# A rank that fails, disagrees, or goes quiet: every rank raises, nobody hangs
+# --------------------------------------------------------------------------- #
+
+
+def run_one_rank_fails(ctx: Any) -> dict[str, Any]:
+    import time
+
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(1)
+    engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0),
+                              dist_fresh_group(ctx))
+    b = vec_batch(ctx.rank, 0, 0, 0)
+    engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+    engine.step()
+    start = time.monotonic()
+    caught = ""
+    try:
+        if ctx.rank == 1:
+            raise_inside = engine.module.layers[1].register_forward_pre_hook(_raise_bad_batch)
+        out = engine(b["x"])
+        engine.backward(F.mse_loss(out, b["y"]))
+        engine.step()
+    except Exception as e:  # noqa: BLE001 - what each rank sees is the result
+        caught = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    if ctx.rank == 1:
+        raise_inside.remove()
+    later = ""
+    try:
+        engine(b["x"])
+    except Exception as e:  # noqa: BLE001
+        later = f"{type(e).__name__}: {e}"
+    return {"caught": caught, "seconds": seconds, "later": later}
+
+
+def _raise_bad_batch(module: nn.Module, args: Any) -> None:
+    raise ValueError("this batch is corrupt")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_raises_stops_every_rank(pools: Any, world: int) -> None:
+    results = pools.run(world, run_one_rank_fails)
+    assert results[1]["caught"].startswith("ValueError: this batch is corrupt")
+    for rank, r in enumerate(results):
+        if rank != 1:
+            assert r["caught"].startswith("RankFailed") and "rank 1 forward raised ValueError: this batch is corrupt" in r["caught"]
+        assert r["seconds"] < 30  # not a hang: the notice board is read within a fraction of a second
+        assert r["later"].startswith("RankFailed") and "Restart from the last checkpoint" in r["later"]
+
+
+class Repeat(nn.Module):
+    """Calls ``block`` twice on rank 0, once elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.block = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, D_OUT)
+
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.block(torch.tanh(self.inp(x))))
+        if extra:
+            h = torch.tanh(self.block(h))
+        return self.head(h)
+
+
+def run_extra_call(ctx: Any, threshold: int, every_fetch: str = "") -> dict[str, Any]:
+    import os
+    import time
+
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(2)
+    config = zero3.Zero3Config(param_persistence_threshold=threshold, collective_timeout_s=20.0,
+                               check_every_fetch=every_fetch == "config")
+    if every_fetch == "env":
+        os.environ["Z3KIT_CHECK_EVERY_FETCH"] = "1"
+    try:
+        engine = zero3.initialize(Repeat(), torch.optim.Adam, config, dist_fresh_group(ctx))
+    finally:
+        os.environ.pop("Z3KIT_CHECK_EVERY_FETCH", None)
+    start = time.monotonic()
+    caught = ""
+    try:
+        for step in range(4):
+            b = vec_batch(ctx.rank, step, 0, 0)
+            engine.backward(F.mse_loss(engine(b["x"], step == 2 and ctx.rank == 0), b["y"]))
+            engine.step()
+    except Exception as e:  # noqa: BLE001
+        caught = f"{type(e).__name__}: {e}"
+    return {"caught": caught, "seconds": time.monotonic() - start, "step": engine.global_step}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("threshold", [0, 100_000])  # sharded, or all persistent (no collective for the call)
+def test_a_module_run_once_more_on_one_rank_is_a_clear_error(pools: Any, world: int, threshold: int) -> None:
+    for rank, r in enumerate(pools.run(world, run_extra_call, threshold)):
+        assert r["caught"].startswith("RankFailed"), r["caught"]
+        assert "rank 0 left the recorded step" in r["caught"] and "'block'" in r["caught"], r["caught"]
+        assert r["seconds"] < 20, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("every_fetch", ["config", "env"])
+def test_checking_every_fetch_names_both_sides_where_they_part(pools: Any, world: int, every_fetch: str) -> None:
+    results = pools.run(world, run_extra_call, 0, every_fetch)
+    assert len({r["caught"] for r in results}) == 1  # the same error on every rank
+    for r in results:
+        assert r["caught"].startswith("RanksDisagree: the ranks are not running the same forward"), r["caught"]
+        assert "rank 0 fetches 'block'" in r["caught"] and "rank 1 fetches 'head'" in r["caught"], r["caught"]
+        assert r["step"] == 2 and r["seconds"] < 20
+
+
+def run_rank_dies_or_stalls(ctx: Any, victim: int, how: str) -> dict[str, Any]:
+    import os
+    import time
+
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(4)
+    engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0,
+                              collective_timeout_s=1.5), dist_fresh_group(ctx))
+    caught, start = "", time.monotonic()
+    try:
+        for step in range(3):
+            if step == 1 and ctx.rank == victim:
+                if how == "dies":
+                    os._exit(3)
+                time.sleep(12.0)  # stuck outside the engine, past everyone's collective_timeout_s
+            b = vec_batch(ctx.rank, step, 0, 0)
+            engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+            engine.step()
+    except Exception as e:  # noqa: BLE001
+        caught = f"{type(e).__name__}: {e}"
+    return {"caught": caught, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_that_dies_is_named_by_the_others(world: int) -> None:
+    from tests.dist_pool import LOST, DistPool
+
+    pool = DistPool(world)  # of its own: a lost rank breaks a pool
+    try:
+        results = pool.run(run_rank_dies_or_stalls, world - 1, "dies", lost_ok=True, timeout=60)
+    finally:
+        pool.close()
+    assert results[world - 1] == LOST
+    for r in results[: world - 1]:
+        assert r["caught"].startswith("RankFailed"), r["caught"]
+        assert f"rank(s) [{world - 1}] posted nothing" in r["caught"] and "lost" in r["caught"], r["caught"]
+        assert r["seconds"] < 30
+
+
+def test_a_rank_stuck_elsewhere_is_named_after_collective_timeout_s(pools: Any) -> None:
+    stuck, waiting = pools.run(2, run_rank_dies_or_stalls, 1, "stalls")[::-1]
+    assert waiting["caught"].startswith("RankFailed: rank 0 waited 2 s in a collective (collective_timeout_s)"), waiting
+    assert "rank(s) [1] posted nothing" in waiting["caught"]
+    assert waiting["seconds"] < 10, waiting  # the timeout and the others' moment to answer, not the 12 s stall
+    # the stuck rank, once back, learns why the others stopped instead of waiting for them
+    assert stuck["caught"].startswith("RankFailed") and "rank 0 waited" in stuck["caught"], stuck

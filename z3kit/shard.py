@@ -167,12 +167,15 @@ class GatherHandle:
     AVAILABLE.
     """
 
-    __slots__ = ("shards", "numel", "_pending")
+    __slots__ = ("shards", "numel", "_pending", "_collective")
 
-    def __init__(self, shards: Sequence[ParamShard], numel: int, pending: Pending) -> None:
+    def __init__(self, shards: Sequence[ParamShard], numel: int, pending: Pending, collective: Pending) -> None:
         self.shards = tuple(shards)
         self.numel = numel
+        #: completes the collective and installs the parameters
         self._pending = pending
+        #: the collective alone (``pending``'s follow-up waits on it)
+        self._collective = collective
 
     @property
     def done(self) -> bool:
@@ -180,7 +183,7 @@ class GatherHandle:
 
     def is_completed(self) -> bool:
         """True once the collective finished (``wait`` will not block)."""
-        return self._pending.is_completed()
+        return self._pending.done or self._collective.is_completed()
 
     @property
     def staging_numel(self) -> int:
@@ -272,7 +275,7 @@ def gather_shards(
 
     for s in shards:
         s.status = ParamStatus.INFLIGHT
-    handle = GatherHandle(shards, total, Pending(None, install))
+    handle = GatherHandle(shards, total, Pending(None, install), pending)
     if not async_op:
         handle.wait()
     return handle

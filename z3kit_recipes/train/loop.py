@@ -40,6 +40,7 @@ class Tally:
     """
 
     wait_s: float = 0.0
+    check_s: float = 0.0
     step_s: float = 0.0
     counted: int = 0
     #: high-water of gathered parameter elements over every step
@@ -51,6 +52,7 @@ class Tally:
         self.peak_live = max(self.peak_live, stats.peak_live_numel)
         if counted:
             self.wait_s += stats.comm_wait_s
+            self.check_s += stats.rank_check_s
             self.step_s += stats.step_time_s
             self.counted += 1
             self.step_times.append(wall_s)

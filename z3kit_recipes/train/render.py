@@ -44,7 +44,8 @@ def render_summary(s: Summary) -> str:
     )
     lines.append(
         f"comm wait       {cw.share:.1%} of step time on rank {cw.rank} ({cw.wait_s:.2f} of {cw.step_s:.2f} s "
-        f"over {cw.steps_counted} steps)"
+        f"over {cw.steps_counted} steps); rank checks {cw.rank_check_s / cw.step_s if cw.step_s else 0.0:.2%} "
+        f"({cw.rank_check_s * 1e3:.1f} ms)"
     )
     lines.append(f"trace           {s.trace.state}, {s.trace.invalidations} invalidation(s)")
     if s.profile is not None and not s.profile.steps:

@@ -146,11 +146,13 @@ class CommWait:
     step_s: float
     steps_counted: int
     rank: int = 0
+    #: of the step time, the part spent on the ranks' agreement checks (``zero3.agreement``)
+    rank_check_s: float = 0.0
 
     @classmethod
     def of(cls, tally: Tally, rank: int = 0) -> CommWait:
         share = tally.wait_s / tally.step_s if tally.step_s > 0 else 0.0
-        return cls(share, tally.wait_s, tally.step_s, tally.counted, rank)
+        return cls(share, tally.wait_s, tally.step_s, tally.counted, rank, tally.check_s)
 
 
 @attrs.frozen

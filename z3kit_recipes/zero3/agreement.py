@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -31,6 +31,18 @@ Waiter = Callable[[Callable[[], bool], Callable[[], Any]], Any]
 def plain_wait(done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
     """A ``Waiter`` that just waits (one rank, or no notice board)."""
     return wait()
+
+
+class RankAgreement(Protocol):
+    """How a parameter coordinator makes sure the ranks fetch alike."""
+
+    def agree(self, index: int, fetch: tuple[str, int] | None) -> None:
+        """Every rank is about to do forward fetch ``index`` the same way (collective)."""
+        ...
+
+    def left_trace(self, index: int, what: str) -> None:
+        """This rank's forward fetch ``index`` departs from the recorded trace."""
+        ...
 
 
 #: words of the header every rank sends: step, micro-step, gathers, reductions, fetch count, fingerprint
@@ -117,3 +129,37 @@ def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], record: S
                      "the same modules in the same order (mark a rank-dependent subtree as a leaf module, so "
                      "that it is gathered as one unit)")
     raise RanksDisagree("; ".join(lines))
+
+
+def agree_on_fetch(
+    group: ProcessGroup,
+    device: torch.device,
+    waiter: Waiter,
+    *,
+    micro_step: int,
+    index: int,
+    fetch: tuple[str, int] | None,
+) -> None:
+    """Before a forward fetch that no recorded trace vouches for: every rank
+    must be about to fetch the same module (``fetch``: its name and
+    elements; None: this rank's forward is over). Collective; raises
+    ``RanksDisagree`` on every rank, before any gather could mismatch."""
+    world = dist.get_world_size(group)
+    name_hash = -1 if fetch is None else int.from_bytes(hashlib.blake2b(fetch[0].encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([micro_step, index, name_hash, -1 if fetch is None else fetch[1]], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(world * mine.numel())
+    pending = all_gather(everyone, mine, group, async_op=True)
+    waiter(pending.is_completed, pending.wait)
+    rows = everyone.view(world, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    fetches: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(fetches, fetch, group=group)
+    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else f"rank {r} has finished its forward"
+           for r, f in enumerate(fetches)]
+    raise RanksDisagree(
+        f"the ranks are not running the same forward: at fetch #{index} of micro-step {micro_step}, "
+        + "; ".join(did)
+        + "; every rank must run the same modules in the same order while a trace is recorded (a "
+        "rank-dependent subtree can be marked as a leaf module, gathered as one unit)"
+    )

@@ -98,6 +98,10 @@ class Zero3Config:
     #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
     #: each training forward, as DDP's ``broadcast_buffers=True`` does
     broadcast_buffers: bool = attrs.field(default=True, validator=_bool)
+    #: debugging: the ranks agree on every fetch of a training step, forward and backward,
+    #: before gathering, so a divergence is named where it starts (one small collective a
+    #: fetch); the environment variable ``Z3KIT_CHECK_EVERY_FETCH=1`` turns it on as well
+    check_every_fetch: bool = attrs.field(default=False, validator=_bool)
     #: bytes per rank for gathered parameters and gradient buckets (an int), or a
     #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
@@ -135,6 +139,11 @@ class Zero3Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.compute_dtype]
+
+    @property
+    def checks_every_fetch(self) -> bool:
+        """``check_every_fetch``, or the environment's ``Z3KIT_CHECK_EVERY_FETCH``."""
+        return self.check_every_fetch or os.environ.get(CHECK_EVERY_FETCH_ENV, "0") not in ("", "0")
 
     @classmethod
     def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> Zero3Config:
@@ -205,6 +214,8 @@ def _enabled(section: Any, name: str) -> bool:
     return bool(section.get("enabled", False))
 
 
+#: the environment variable that turns ``check_every_fetch`` on for a run, whatever the code says
+CHECK_EVERY_FETCH_ENV = "Z3KIT_CHECK_EVERY_FETCH"
 #: the knobs that ``memory_budget`` derives, when it is set
 BUDGET_DERIVED = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "reduce_bucket_size")
 _DEFAULTS = {f.name: f.default for f in attrs.fields(Zero3Config)}

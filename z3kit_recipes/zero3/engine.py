@@ -29,7 +29,7 @@ from torch import nn
 from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast, failed_ranks
 from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes, storage_bytes, tensor_bytes
 from z3kit.flat_bucket import ReduceMode
-from z3kit.hooks import HookActions, ModuleHooks, in_backward, map_tensors
+from z3kit.hooks import HookActions, ModuleHooks, in_backward, iter_tensors, map_tensors
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy, StockReleasePolicy
@@ -42,7 +42,7 @@ from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.layout import ShardLayout
 from z3kit_recipes.zero3.checkpoint import load_checkpoint, save_checkpoint
-from z3kit_recipes.zero3.ranks import RankWatch
+from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
 from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES, load_pretrained, persistent_buffers, save_pretrained
 from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors, materialize
 from z3kit_recipes.zero3.grads import MAX_FLIGHTS, GradReducer
@@ -94,6 +94,8 @@ class Zero3Stats:
     #: wall time from the previous optimizer step to the last one, and the part of it blocked on communication
     step_time_s: float
     comm_wait_s: float
+    #: the part of the step spent making sure the ranks agree (``zero3.agreement``)
+    rank_check_s: float
 
     #: bytes held by kind, now and at their peak since the last training forward after a step
     memory: MemoryReport
@@ -141,7 +143,10 @@ class Zero3Engine:
             group,
             timeout_s=config.collective_timeout_s,
             describe=lambda: f"at optimizer step {self.global_step}, micro-step {self.micro_step}",
+            position=lambda: (self.micro_step, self.coordinator.position()),
         )
+        #: fetches no trace vouches for are agreed on a group of their own
+        self.agreement = FetchAgreement(_twin_group(group), device, self.watch, lambda: self.micro_step)
         self.streams: StreamPairLike = stream_pair_for(device)
         dtype = config.torch_dtype
 
@@ -214,7 +219,9 @@ class Zero3Engine:
             memory=self.memory,
             record=self.record,
             waiter=self.watch.wait,
+            ranks=self.agreement,
             overlap=config.overlap_comm,
+            check_every_fetch=config.checks_every_fetch,
         )
         reduce_scatter = config.reduce_scatter
         if reduce_scatter is None:
@@ -274,6 +281,7 @@ class Zero3Engine:
         self._wait_at_step = 0.0
         self._last_step_time = 0.0
         self._last_comm_wait = 0.0
+        self._step_check_s = self._check_at_step = self._last_rank_check = 0.0
         self._capture_armed = False
         self._last_peak_live = 0
         self._new_memory_window = True
@@ -359,12 +367,14 @@ class Zero3Engine:
     def _post_forward(self, module: nn.Module, output: Any) -> None:
         if in_backward():
             return  # a checkpoint recomputation: backward uses these now; post-backward releases
+        if self.coordinator.tracing:
+            self.coordinator.forward_done(module, any(t.requires_grad for t in iter_tensors(output)))
         self.coordinator.release(module, keep=self.coordinator.params_in(output))
 
     # -- backward ---------------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module) -> None:
         self._queue_epilogue()
-        self.coordinator.fetch(module)
+        self.coordinator.fetch_for_backward(module)
 
     def _queue_epilogue(self) -> None:
         """Queue the end-of-backward callback once per backward, from inside
@@ -382,6 +392,7 @@ class Zero3Engine:
         self._epilogue_queued = False
         try:
             self.hooks.finish_backward()
+            self.coordinator.finish_schedule()
             if self.reducer is not None:
                 self.reducer.finish()
                 try:
@@ -411,6 +422,7 @@ class Zero3Engine:
         if self.world == 1:
             used = [pid in arrived for pid in self.trainable]
         else:
+            started = time.perf_counter()
             used = check_step(
                 self.reduce_group,
                 self.device,
@@ -420,6 +432,7 @@ class Zero3Engine:
                 record=self.record,
                 used=[pid in arrived for pid in self.trainable],
             )
+            self._step_check_s += time.perf_counter() - started
         self.record.clear()
         self.reducer.mark_used(pid for pid, u in zip(self.trainable, used) if u)
 
@@ -483,9 +496,10 @@ class Zero3Engine:
         now = self.log.snapshot()
         self._last_step_collectives = _diff(now, self._log_at_step)
         self._log_at_step = now
-        clock, waited = time.perf_counter(), self._comm_wait_total()
+        clock, waited, checked = time.perf_counter(), self._comm_wait_total(), self._rank_check_total()
         self._last_step_time, self._last_comm_wait = clock - self._step_started, waited - self._wait_at_step
-        self._step_started, self._wait_at_step = clock, waited
+        self._last_rank_check = checked - self._check_at_step
+        self._step_started, self._wait_at_step, self._check_at_step = clock, waited, checked
         self._last_peak_live = self.limiter.high_water
         self.limiter.reset_high_water()
         if self.coordinator.timeline is not None:
@@ -499,6 +513,9 @@ class Zero3Engine:
         """Record every fetch, prefetch and release of the next optimizer step
         (from the step() after this call to the following one) into ``timeline``."""
         self._capture_armed = True
+
+    def _rank_check_total(self) -> float:
+        return self._step_check_s + self.agreement.seconds
 
     def _comm_wait_total(self) -> float:
         reducer_wait = 0.0 if self.reducer is None else self.reducer.comm_wait_s
@@ -645,6 +662,7 @@ class Zero3Engine:
             last_grad_norm=self._last_grad_norm,
             step_time_s=self._last_step_time,
             comm_wait_s=self._last_comm_wait,
+            rank_check_s=self._last_rank_check,
             memory=self.memory.report(device_peak_bytes(self.device)),
             memory_plan=self.memory_plan,
         )
@@ -689,6 +707,8 @@ class Zero3Engine:
         """A forward raised: forget what was in progress, free what was gathered."""
         self.record.clear()
         self.hooks.reset()
+        if self.watch.broken is not None:  # gathers in flight may never pair: leave them be
+            self.coordinator.abandon_inflight()
         self.coordinator.release_all()
         self.coordinator.tracing = False
         self.trace.invalidate()

@@ -41,14 +41,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from z3kit.collectives import CollectiveLog, ProcessGroup
-from z3kit.hooks import ModuleHooks, iter_tensors
+from z3kit.hooks import ModuleHooks, in_backward, iter_tensors
 from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder, TraceState, TraceStep
-from z3kit_recipes.zero3.agreement import StepRecord, Waiter
+from z3kit_recipes.zero3.agreement import RankAgreement, StepRecord, Waiter
+from z3kit_recipes.zero3.schedule import BackwardSchedule
 
 
 def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
@@ -89,13 +90,22 @@ class ParamCoordinator:
         memory: MemoryLedger,
         record: StepRecord,
         waiter: Waiter,
+        ranks: RankAgreement,
         overlap: bool,
+        check_every_fetch: bool = False,
     ) -> None:
         self.shards = list(shards)
         self.memory = memory
         self.record = record
         #: completes a collective: ``waiter(done, wait)`` (the engine watches the ranks' notice board meanwhile)
         self.waiter = waiter
+        #: where the ranks agree on fetches no trace vouches for
+        self.ranks = ranks
+        #: gathers left in flight when the ranks stopped running together (kept alive, never waited on)
+        self._abandoned: list[GatherHandle] = []
+        #: debugging: agree on every fetch of a training step, forward and backward
+        self.check_every_fetch = check_every_fetch
+        self._fetches_in_step = 0
         self._element_size = self.shards[0].shard.element_size()
         #: bytes of each parameter's gathered storage (its padded full size)
         self._gathered_bytes = [s.padded_numel * self._element_size for s in self.shards]
@@ -117,6 +127,17 @@ class ParamCoordinator:
         self._pins: dict[int, int] = {}
         self._holders: set[nn.Module] = set()
         self._fetch_step: dict[nn.Module, int] = {}
+        #: this step's forward fetches (traced), which of them had no backward, the calls still open,
+        #: and the order in which they finished (an outer module finishes after those inside it)
+        self._forward: list[nn.Module] = []
+        self._no_backward: set[int] = set()
+        self._finished: list[int] = []
+        self._forward_open: dict[nn.Module, list[int]] = {}
+        self._schedule: BackwardSchedule | None = None
+        #: modules the schedule fetched before (or without) their pre-backward
+        self._ghosts: set[nn.Module] = set()
+        #: whether this step's forward fetches were agreed one by one (no trace vouched for them)
+        self._agreed_forward = False
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
         #: trace index up to which prefetch has looked; everything before it is
         #: gathered or in flight (a release moves it back, see ``_free``)
@@ -192,10 +213,78 @@ class ParamCoordinator:
 
     # -- the module lifecycle --------------------------------------------------------
     def fetch(self, module: nn.Module) -> None:
-        """Pre-forward / pre-backward: the module's parameters, gathered, held."""
+        """Pre-forward: the module's parameters, gathered, held. In a traced
+        step the fetch is also an entry of the backward schedule, and unless
+        the recorded trace vouches for it, the ranks agree on it first."""
+        forward = self.tracing and not in_backward()
+        if forward:
+            index = len(self._forward)
+            self._forward_open.setdefault(module, []).append(index)
+            self._forward.append(module)
+            if self.trace.state is TraceState.COMPLETE and not self.check_every_fetch:
+                if not self.trace.expects(self.module_keys[module], *self._fetch_key[module]):
+                    expected = self.trace.next_module()
+                    was = "the end of its forward" if expected is None else self._name_of_key(expected)
+                    self.ranks.left_trace(index, f"fetches {self.names[module]!r} where the trace has {was}")
+            if self.trace.state is not TraceState.COMPLETE or self.check_every_fetch:
+                self._agreed_forward = True
+                self.ranks.agree(index, (self.names[module], sum(self._fetch_key[module][1])))
+        elif self.check_every_fetch and in_backward():
+            self._agree_in_backward(module)
+        self._fetch_entry(module, traced=forward)
+
+    def _agree_in_backward(self, module: nn.Module) -> None:
+        """``check_every_fetch``: backward fetches are agreed on too, numbered after the forward's."""
+        self._fetches_in_step += 1
+        self.ranks.agree(len(self._forward) + self._fetches_in_step, (self.names[module], sum(self._fetch_key[module][1])))
+
+    def forward_done(self, module: nn.Module, output_needs_grad: bool) -> None:
+        """Post-forward of a traced fetch: an output that needs no gradient
+        means no backward for this call, on any rank (it leaves the schedule)."""
+        calls = self._forward_open.get(module)
+        if calls:
+            index = calls.pop()
+            self._finished.append(index)
+            if not output_needs_grad:
+                self._no_backward.add(index)
+
+    def fetch_for_backward(self, module: nn.Module) -> None:
+        """Pre-backward: the schedule up to this module (see ``zero3.schedule``)."""
+        if self._schedule is None:
+            if self._agreed_forward:  # the forward was agreed fetch by fetch: agree that it is over
+                self.ranks.agree(len(self._forward), None)
+            # backward meets modules in the reverse of the order their forwards
+            # finished: an outer module's output gradient comes before its inner ones'
+            finished = set(self._finished)
+            order = [i for i in range(len(self._forward)) if i not in finished] + self._finished
+            self._schedule = BackwardSchedule([self._forward[i] for i in order if i not in self._no_backward])
+        entries = self._schedule.advance_to(module)
+        if entries is None:  # passed over as a ghost already, or not scheduled at all
+            self._ghosts.discard(module)
+            if self.check_every_fetch:
+                self._agree_in_backward(module)
+            self._fetch_entry(module, traced=False)
+            return
+        for entry, ghost in entries:
+            if self.check_every_fetch:
+                self._agree_in_backward(entry)
+            self._fetch_entry(entry, traced=True)
+            if ghost:
+                self._ghosts.add(entry)
+
+    def finish_schedule(self) -> None:
+        """End of backward: the schedule's remaining entries, fetched as ghosts
+        on every rank (released with everything else right after)."""
+        if self._schedule is not None:
+            for entry in self._schedule.rest():
+                if self.check_every_fetch:
+                    self._agree_in_backward(entry)
+                self._fetch_entry(entry, traced=True)
+
+    def _fetch_entry(self, module: nn.Module, *, traced: bool) -> None:
         pids = self.module_params[module]
         matches = False
-        if self.tracing:
+        if traced:
             ids, numels = self._fetch_key[module]
             self.record.fetches.append((self.names[module], sum(numels)))
             matches = self.trace.on_fetch(self.module_keys[module], ids, numels)
@@ -333,6 +422,17 @@ class ParamCoordinator:
             if p in self._handles:
                 self._wait(p)
 
+    def abandon_inflight(self) -> None:
+        """Forget the gathers in flight without waiting (the ranks no longer
+        run together, so they may never finish). Their buffers stay
+        referenced, since the collective may still write into them; the
+        parameters count as not gathered."""
+        for handle in {id(h): h for h in self._handles.values()}.values():
+            self._abandoned.append(handle)
+            for s in handle.shards:
+                s.status = ParamStatus.NOT_AVAILABLE
+        self._handles.clear()
+
     def release_all(self) -> None:
         """Wait for gathers in flight and free every parameter that is neither
         persistent nor pinned (end of backward, after an eval forward, after an error)."""
@@ -360,11 +460,22 @@ class ParamCoordinator:
     def start_step(self) -> None:
         self.trace.begin_step()
         self._frontier = 0
+        self._forward, self._forward_open, self._no_backward, self._finished = [], {}, set(), []
+        self._fetches_in_step = 0
+        self._schedule, self._ghosts, self._agreed_forward = None, set(), False
 
     def end_step(self) -> None:
         self.trace.end_step()
         self._steps = None
         self._fetch_step.clear()
+        self._schedule = None
+
+    def _name_of_key(self, key: int) -> str:
+        return repr(self.names[list(self.module_params)[key]])
+
+    def position(self) -> int:
+        """Forward fetches done in this step; a large number once backward began."""
+        return len(self._forward) if self._schedule is None else 1 << 40
 
     def staging_numel(self) -> int:
         """Elements of the coalesced gathers' output buffers in flight."""
@@ -374,12 +485,18 @@ class ParamCoordinator:
     def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:
         user = hooks.active[-1] if hooks.active else None
         if user is not None and user in self.module_params and pid not in self.module_params[user]:
+            what = f"uses parameter #{pid} ({self.numels[pid]:,} elements) in {self.names[user]!r}, outside its module"
+            index = len(self._forward)
+            if self.tracing and self.trace.state is TraceState.COMPLETE:
+                self.ranks.left_trace(index, what)
+                self.trace.invalidate()
+            if self.tracing and not in_backward():
+                self._agreed_forward = True
+                self.ranks.agree(index, (what, self.numels[pid]))
             self.module_params[user].append(pid)
             self._fetch_key[user] = self._key_of(self.module_params[user])
             if user in self._holders:
                 self._users[pid] += 1
-            if self.trace.state is TraceState.COMPLETE:
-                self.trace.invalidate()
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
             self.ensure_gathered([pid])
 

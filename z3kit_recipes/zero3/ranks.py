@@ -22,15 +22,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from z3kit.collectives import ProcessGroup
 from z3kit.sideband import Notice, SideBand, WatchedWait, default_store
-from z3kit_recipes.zero3.agreement import RanksDisagree
+from z3kit_recipes.zero3.agreement import RanksDisagree, agree_on_fetch
 
 FAILED = "failed: "
 NOTE = "note: "
 WAITING = "waiting: "
+#: a rank left the recorded trace of a step: "left: <micro-step> <fetch index> <what it does>"
+LEFT = "left: "
 #: how long a rank that found trouble gives the others to post their side
 ANSWER_S = 3.0
 
@@ -43,10 +46,21 @@ class RankWatch:
     """The notice board of one engine and the waits that watch it."""
 
     def __init__(
-        self, group: ProcessGroup, *, timeout_s: float, describe: Callable[[], str], poll_s: float = 0.05
+        self,
+        group: ProcessGroup,
+        *,
+        timeout_s: float,
+        describe: Callable[[], str],
+        position: Callable[[], tuple[int, int]],
+        poll_s: float = 0.05,
     ) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.describe = describe
+        #: (micro-step, forward fetches done; a large number once forward is over)
+        self.position = position
+        self.timeout_s = timeout_s
+        #: LEFT notices read so far, kept for a rendezvous of this rank's own
+        self._left: list[tuple[int, tuple[int, int], str]] = []
         #: the message every call raises once the ranks no longer run together
         self.broken: str | None = None
         store = default_store() if self.world > 1 else None
@@ -59,7 +73,10 @@ class RankWatch:
 
     # -- the waits ---------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
-        """Complete one collective (see the module docstring)."""
+        """Complete one collective (see the module docstring); once the ranks
+        no longer run together, raise at once instead of waiting."""
+        if self.broken is not None:
+            raise RankFailed(self.broken)
         try:
             return self._watched.wait(done, wait)
         except RanksDisagree:
@@ -101,6 +118,36 @@ class RankWatch:
         if same == self.world - 1:
             self.broken = None  # every rank failed at the same point: still in step
 
+    def left_trace(self, where: tuple[int, int], what: str) -> None:
+        """This rank's forward just left the step's recorded trace at ``where``
+        ((micro-step, fetch index)), doing ``what``. Ranks whose program
+        changed the same way (a branch taken on every rank) all get here:
+        they return and go on together. A rank that did not raises when it
+        next waits (see ``_on_notices``), and this one raises with it."""
+        if self.board is None:
+            return
+        self.board.post(f"{LEFT}{where[0]} {where[1]} {what}")
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            for n in self.board.unread():
+                self._remember(n)
+                if n.message.startswith((FAILED, WAITING)):
+                    self.broken = (f"rank {self.rank} left the recorded step at fetch #{where[1]}: {what}; rank {n.rank} "
+                                   f"{n.message.split(': ', 1)[1]}")
+                    raise RankFailed(self.broken)
+            alike = {r for r, at, did in self._left if at == where and did == what}
+            if len(alike) == self.world - 1:
+                self._left = [entry for entry in self._left if entry[1] != where]
+                return
+            time.sleep(0.002)
+        self._fail_together(f"rank {self.rank} left the recorded step at fetch #{where[1]} ({what}) and the others "
+                            f"did not answer within {self.timeout_s:.0f} s")
+
+    def _remember(self, notice: Notice) -> None:
+        if notice.message.startswith(LEFT):
+            micro, index, what = notice.message.removeprefix(LEFT).split(" ", 2)
+            self._left.append((notice.rank, (int(micro), int(index)), what))
+
     def note(self, message: str) -> None:
         """Tell the others something that explains a failure, should one follow."""
         if self.board is not None:
@@ -108,10 +155,22 @@ class RankWatch:
 
     # -- reading ------------------------------------------------------------------------------
     def _on_notices(self, notices: list[Notice]) -> None:
+        for n in notices:
+            self._remember(n)
+        here = self.position()
+        passed = [(r, at, what) for r, at, what in self._left if here > at]
+        if passed:  # another rank left the trace at a point this one went through as recorded
+            r, at, what = passed[0]
+            self.broken = (f"rank {r} left the recorded step at fetch #{at[1]} of micro-step {at[0]}: {what}; rank "
+                           f"{self.rank} went on as recorded ({self.describe()})")
+            if self.board is not None:
+                self.board.post(f"{WAITING}{self.broken}")
+            raise RankFailed(f"{self.broken}; every rank must run the same modules in the same order (a "
+                             "rank-dependent subtree can be marked as a leaf module, gathered as one unit)")
         failures = [n for n in notices if n.message.startswith((FAILED, WAITING))]
         if failures:
             notes = [n for n in notices if n.message.startswith(NOTE)]
-            self.broken = "; ".join(f"rank {n.rank} {n.message.split(': ', 1)[1]}" for n in failures + notes)
+            self.broken = "; ".join(_quoted(n) for n in failures + notes)
             if self.board is not None:  # the failed rank learns at once that this one did not fail with it
                 self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
             raise RankFailed(f"{self.broken}; every rank stops this step")
@@ -141,3 +200,29 @@ class RankWatch:
                          "its host is unreachable) or busy outside this engine")
         self.broken = "; ".join(parts)
         raise RankFailed(self.broken)
+
+
+def _quoted(notice: Notice) -> str:
+    """A notice as part of a message: its rank, then what it said (which may name the rank already)."""
+    said = notice.message.split(": ", 1)[1]
+    return said if said.startswith(f"rank {notice.rank} ") else f"rank {notice.rank} {said}"
+
+
+class FetchAgreement:
+    """``RankAgreement`` for one engine: collective checks on a group of
+    their own, and trace departures on the notice board."""
+
+    def __init__(self, group: ProcessGroup, device: torch.device, watch: RankWatch, micro_step: Callable[[], int]) -> None:
+        self.group, self.device, self.watch, self.micro_step = group, device, watch, micro_step
+        self.world = dist.get_world_size(group)
+        #: wall time spent agreeing, in all
+        self.seconds = 0.0
+
+    def agree(self, index: int, fetch: tuple[str, int] | None) -> None:
+        if self.world > 1:
+            started = time.perf_counter()
+            agree_on_fetch(self.group, self.device, self.watch.wait, micro_step=self.micro_step(), index=index, fetch=fetch)
+            self.seconds += time.perf_counter() - started
+
+    def left_trace(self, index: int, what: str) -> None:
+        self.watch.left_trace((self.micro_step(), index), what)

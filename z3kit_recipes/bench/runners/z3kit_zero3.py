@@ -79,6 +79,7 @@ def stats_report(stats: Zero3Stats, config: Zero3Config) -> JSON:
         "largest_fetch_numel": stats.largest_fetch_numel,
         "collectives": stats.collectives,
         "comm_wait_s": stats.comm_wait_s,
+        "rank_check_s": stats.rank_check_s,
         "step_time_s": stats.step_time_s,
         "memory": {
             "current_bytes": dict(memory.current),

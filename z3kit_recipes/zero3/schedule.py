@@ -1,0 +1,49 @@
+"""The backward fetches of a step, the same on every rank.
+
+A module's pre-backward fires only where a gradient reaches its output: a
+branch that feeds the loss on some ranks only fires on those. Gathering on
+those ranks alone would be a collective the others never join. So backward
+does not gather module by module as hooks fire; it walks a schedule fixed
+by the forward every rank ran alike: the modules fetched in forward, in
+the reverse of the order their forwards finished (an outer module's
+output gradient arrives before those of the modules inside it), without those whose outputs needed no gradient (they have no
+backward anywhere). A pre-backward takes the schedule up to its module;
+entries it passes over are fetched all the same (ghosts: held until the
+end of backward, in case their pre-backward comes late), and the end of
+backward fetches whatever is left. Every rank then gathers the same
+parameters in the same order, whatever its graph did; where every rank's
+hooks fire in schedule order, as in a chain of layers, nothing extra is
+fetched at all.
+
+Pure bookkeeping over module objects: no tensors, no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class BackwardSchedule:
+    """Reverse of a step's forward fetches (in the order they finished); a cursor through them."""
+
+    def __init__(self, forward: Sequence[nn.Module]) -> None:
+        self.entries: list[nn.Module] = list(reversed(forward))
+        self.cursor = 0
+
+    def advance_to(self, module: nn.Module) -> list[tuple[nn.Module, bool]] | None:
+        """The entries up to ``module``'s next one, each with whether it is a
+        ghost (passed over); None when ``module`` has no entry ahead."""
+        for i in range(self.cursor, len(self.entries)):
+            if self.entries[i] is module:
+                out = [(m, True) for m in self.entries[self.cursor : i]] + [(module, False)]
+                self.cursor = i + 1
+                return out
+        return None
+
+    def rest(self) -> list[nn.Module]:
+        """What is left (fetched as ghosts at the end of backward)."""
+        out = self.entries[self.cursor :]
+        self.cursor = len(self.entries)
+        return out
