@@ -242,3 +242,26 @@ def test_large_gloo_gather_runs_as_broadcasts(pools: PoolSet, world: int, async_
         # one broadcast from every rank, each logged as what it is
         assert r["log"]["broadcast"]["calls"] == world
         assert r["log"]["all_gather"]["calls"] == 0
+
+
+def _late_gather(ctx: WorkerContext) -> dict[str, Any]:
+    import time
+
+    from z3kit.collectives import all_gather
+
+    if ctx.rank == 1:
+        time.sleep(0.5)  # rank 0's first looks find the gather unfinished
+    out = torch.empty(ctx.world)
+    pending = all_gather(out, torch.tensor([float(ctx.rank)]), ctx.group, async_op=True)
+    looks = 0
+    while not pending.is_completed(timeout_s=0.05):
+        looks += 1
+    pending.wait()
+    return {"looks": looks, "out": out.tolist()}
+
+
+def test_pending_is_completed_waits_up_to_its_timeout(pools: PoolSet) -> None:
+    early, late = pools.run(2, _late_gather)
+    assert early["out"] == late["out"] == [0.0, 1.0]
+    # rank 0 looked again and again while rank 1 slept (0.5 s in slices of 0.05 s), without losing the gather
+    assert 2 <= early["looks"] <= 20 and late["looks"] <= 2  # blocked in slices, not spinning

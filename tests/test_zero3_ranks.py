@@ -204,7 +204,10 @@ def run_rank_branch(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
                                               find_unused_parameters=True)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
     group = dist_fresh_group(ctx)
-    engine = zero3.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3), zero3.Zero3Config(**config), group)
+    config = dict(config)
+    leaves = [model.side] if config.pop("side_is_leaf", False) else []
+    engine = zero3.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3), zero3.Zero3Config(**config), group,
+                              leaf_modules=leaves)
     losses = []
     calls = []
     for step in range(5):
@@ -238,6 +241,7 @@ def dist_fresh_group(ctx: Any) -> Any:
     (2, {"param_persistence_threshold": 0, "overlap_comm": False}),
     (4, {"param_persistence_threshold": 0, "overlap_comm": False}),
     (3, {"param_persistence_threshold": 0, "reduce_bucket_size": 50, "check_every_fetch": True}),
+    (2, {"param_persistence_threshold": 0, "side_is_leaf": True}),  # a leaf unit whose output some ranks drop
 ])
 def test_gradient_on_some_ranks_only_matches_ddp(pools: Any, world: int, config: dict[str, Any]) -> None:
     results = pools.run(world, run_rank_branch, config)

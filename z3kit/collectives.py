@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,10 @@ _reduce_scatter_single: Callable[..., Any] = (
 
 class CollectiveKind(enum.Enum):
     """The kinds of collective the log counts."""
+
+    # members are singletons: hash by identity, in C (Enum's own hash is Python code, and
+    # these are dict keys on every fetch and release)
+    __hash__ = object.__hash__
 
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
@@ -82,9 +87,24 @@ class Pending:
     def done(self) -> bool:
         return self._done
 
-    def is_completed(self) -> bool:
-        """True once the collective finished (``wait`` will not block)."""
-        return self._done or all(bool(w.is_completed()) for w in self._works)
+    def is_completed(self, timeout_s: float = 0.0) -> bool:
+        """True once the collective finished (``wait`` will not block);
+        ``timeout_s``: block up to that long for it first. Where ``wait``
+        does not block the host anyway (nccl: the stream waits), that counts
+        as finished."""
+        if self._done:
+            return True
+        for work in self._works:
+            if work.is_completed():
+                continue
+            if timeout_s <= 0:
+                return False
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+            except RuntimeError:
+                # not finished in time; or finished with an error, which wait() raises
+                return bool(work.is_completed())
+        return True
 
     def wait(self) -> None:
         if self._done:

@@ -49,9 +49,9 @@ class BucketFlush:
         self._pending = pending
         self._parts = parts
 
-    def is_completed(self) -> bool:
-        """True once the reduction finished (``wait`` will not block)."""
-        return self._pending.is_completed()
+    def is_completed(self, timeout_s: float = 0.0) -> bool:
+        """True once the reduction finished (``wait`` will not block); see ``Pending.is_completed``."""
+        return self._pending.is_completed(timeout_s)
 
     def wait(self) -> list[tuple[int, torch.Tensor]]:
         self._pending.wait()

@@ -25,6 +25,10 @@ import torch
 class MemoryKind(enum.Enum):
     """What a counted buffer holds."""
 
+    # members are singletons: hash by identity, in C (Enum's own hash is Python code, and
+    # these are dict keys on every fetch and release)
+    __hash__ = object.__hash__
+
     #: this rank's flat padded 1/N of every parameter, in the compute dtype
     PARAM_SHARDS = "param_shards"
     #: full parameters gathered for compute, and gathers in flight

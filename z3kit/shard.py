@@ -181,9 +181,9 @@ class GatherHandle:
     def done(self) -> bool:
         return self._pending.done
 
-    def is_completed(self) -> bool:
-        """True once the collective finished (``wait`` will not block)."""
-        return self._pending.done or self._collective.is_completed()
+    def is_completed(self, timeout_s: float = 0.0) -> bool:
+        """True once the collective finished (``wait`` will not block); see ``Pending.is_completed``."""
+        return self._pending.done or self._collective.is_completed(timeout_s)
 
     @property
     def staging_numel(self) -> int:

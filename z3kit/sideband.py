@@ -14,7 +14,7 @@ Note: the cost.
     Posting is one store write; looking is one store round trip
     (``add(key, 0)`` returns the count of notices) and is done only by a
     rank already blocked for ``poll_s`` (50 ms): a collective that finishes
-    in time never touches the store.
+    within that never touches the store.
 """
 
 from __future__ import annotations
@@ -82,11 +82,12 @@ class SideBand:
 class WatchedWait:
     """Waits on collectives while watching a ``SideBand``.
 
-    ``wait(done, wait)``: ``done()`` says whether the collective finished
-    and ``wait()`` completes it. While it is not done, every ``poll_s``
-    the board is read, and ``on_notice`` is called with what other ranks
-    posted (it raises, typically). Past ``timeout_s``, ``on_timeout`` is
-    called with the seconds waited.
+    ``wait(done, wait)``: ``done(timeout_s)`` blocks up to ``timeout_s``
+    for the collective and says whether it finished (``Pending.is_completed``);
+    ``wait()`` completes it. Every ``poll_s`` that it is not done, the board
+    is read and ``on_notice`` is called with what other ranks posted (it
+    raises, typically). Past ``timeout_s``, ``on_timeout`` is called with
+    the seconds waited.
     """
 
     def __init__(
@@ -101,21 +102,17 @@ class WatchedWait:
         self.board, self.on_notice, self.on_timeout = board, on_notice, on_timeout
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
-    def wait(self, done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
-        if self.board is None or done():
+    def wait(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
+        if self.board is None:
             return wait()
         start = time.monotonic()
-        next_look = start + self.poll_s
-        pause = 1e-5
-        while not done():
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)  # a short collective costs little latency, a long one little CPU
+        # blocking in the collective's own wait, a slice at a time, wakes the
+        # moment it finishes (polling with sleeps would add their granularity)
+        while not done(self.poll_s):
+            notices = self.board.unread()
+            if notices:
+                self.on_notice(notices)
             now = time.monotonic()
-            if now >= next_look:
-                notices = self.board.unread()
-                if notices:
-                    self.on_notice(notices)
-                next_look = now + self.poll_s
             if now - start > self.timeout_s:
                 self.on_timeout(now - start)
                 start = now  # on_timeout returned: keep waiting, and ask again after another timeout

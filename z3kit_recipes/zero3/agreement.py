@@ -2,7 +2,7 @@
 
 At the end of every backward the ranks compare, in one small all-gather,
 where they are (optimizer step, micro-step), what they did (how many
-gathers and reductions they issued, and a fingerprint of the modules they
+gathers they issued, and a fingerprint of the modules they
 fetched, in order), and which parameters got a gradient. Which parameters
 got a gradient on some rank is what the optimizer then sees (the rest
 have none, as after ``zero_grad(set_to_none=True)``); any other difference
@@ -22,13 +22,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit.collectives import ProcessGroup, all_gather
+from z3kit.collectives import Pending, ProcessGroup, all_gather
 
-#: completes a collective while watching the other ranks: ``waiter(done, wait)``
-Waiter = Callable[[Callable[[], bool], Callable[[], Any]], Any]
+#: completes a collective while watching the other ranks: ``waiter(done, wait)``, where
+#: ``done(timeout_s)`` blocks up to that long and says whether it finished (``Pending.is_completed``)
+Waiter = Callable[[Callable[[float], bool], Callable[[], Any]], Any]
 
 
-def plain_wait(done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
+def plain_wait(done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
     """A ``Waiter`` that just waits (one rank, or no notice board)."""
     return wait()
 
@@ -45,8 +46,9 @@ class RankAgreement(Protocol):
         ...
 
 
-#: words of the header every rank sends: step, micro-step, gathers, reductions, fetch count, fingerprint
-HEADER_WORDS = 6
+#: words of the header every rank sends: step, micro-step, gathers, fetch count, fingerprint (not the
+#: reductions: they follow a fixed plan, but how many of them a rank issued before the check varies)
+HEADER_WORDS = 5
 _MASK = (1 << 62) - 1
 
 
@@ -61,7 +63,6 @@ class StepRecord:
     #: (module name, elements) of every fetch, in order
     fetches: list[tuple[str, int]] = attrs.field(factory=list)
     gathers: int = 0
-    reductions: int = 0
 
     def fingerprint(self) -> int:
         # not hash(): string hashes differ between processes
@@ -70,44 +71,59 @@ class StepRecord:
 
     def clear(self) -> None:
         self.fetches.clear()
-        self.gathers = self.reductions = 0
+        self.gathers = 0
 
 
-def check_step(
+def start_step_check(
     group: ProcessGroup,
     device: torch.device,
-    waiter: Waiter,
     *,
     global_step: int,
     micro_step: int,
     record: StepRecord,
     used: Sequence[bool],
-) -> list[bool]:
-    """Compare this backward across ranks (collective); returns, for each
-    trainable parameter, whether any rank gave it a gradient. Raises
-    ``RanksDisagree`` on every rank when anything else differs."""
+) -> StepCheck:
+    """Begin comparing this backward across ranks (collective, in flight:
+    the end of backward's last reductions overlap it); ``StepCheck.result``
+    completes it."""
     world = dist.get_world_size(group)
-    words = [global_step, micro_step, record.gathers, record.reductions, len(record.fetches), record.fingerprint()]
+    words = [global_step, micro_step, record.gathers, len(record.fetches), record.fingerprint()]
     flags = torch.zeros((len(used) + 7) // 8 * 8, dtype=torch.uint8)  # one byte a parameter, eight to a word
     flags[: len(used)] = torch.tensor(list(used), dtype=torch.uint8)
     mine = torch.cat([torch.tensor(words, dtype=torch.int64), flags.view(torch.int64)]).to(device)
     everyone = mine.new_empty(world * mine.numel())
     pending = all_gather(everyone, mine, group, async_op=True)
-    waiter(pending.is_completed, pending.wait)
-    table = everyone.view(world, -1).cpu()
-    headers = table[:, :HEADER_WORDS].tolist()
-    if any(h != headers[0] for h in headers):
-        _raise_disagreement(group, headers, record)
-    flags_of_all = table[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : len(used)]
-    out: list[bool] = flags_of_all.amax(dim=0).bool().tolist() if len(used) else []
-    return out
+    return StepCheck(group, pending, everyone, len(used), list(record.fetches))
 
 
-def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], record: StepRecord) -> None:
+@attrs.frozen
+class StepCheck:
+    """A step check in flight (``start_step_check``)."""
+
+    group: ProcessGroup
+    pending: Pending
+    everyone: torch.Tensor
+    n_params: int
+    fetches: list[tuple[str, int]]
+
+    def result(self, waiter: Waiter) -> list[bool]:
+        """For each trainable parameter, whether any rank gave it a gradient.
+        Raises ``RanksDisagree`` on every rank when anything else differs."""
+        waiter(self.pending.is_completed, self.pending.wait)
+        table = self.everyone.view(dist.get_world_size(self.group), -1).cpu()
+        headers = table[:, :HEADER_WORDS].tolist()
+        if any(h != headers[0] for h in headers):
+            _raise_disagreement(self.group, headers, self.fetches)
+        flags_of_all = table[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : self.n_params]
+        out: list[bool] = flags_of_all.amax(dim=0).bool().tolist() if self.n_params else []
+        return out
+
+
+def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], mine: list[tuple[str, int]]) -> None:
     """Every rank learns every rank's fetches and raises the same message."""
     world = dist.get_world_size(group)
     fetches: list[list[tuple[str, int]] | None] = [None] * world
-    dist.all_gather_object(fetches, record.fetches, group=group)
+    dist.all_gather_object(fetches, mine, group=group)
     logs = [f or [] for f in fetches]
     steps = sorted({(h[0], h[1]) for h in headers})
     lines = [f"the ranks are not running the same step: at the end of backward they are at (optimizer step, "
@@ -119,8 +135,8 @@ def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], record: S
                else f"rank {r} had no fetch #{first} (its step had {len(log)})" for r, log in enumerate(logs)]
         lines.append(f"first difference at fetch #{first} of the step: " + "; ".join(did))
     else:
-        lines.append("they fetched the same modules; collectives issued (gathers, reductions): "
-                     + ", ".join(f"rank {r} ({h[2]}, {h[3]})" for r, h in enumerate(headers)))
+        lines.append("they fetched the same modules; gathers issued: "
+                     + ", ".join(f"rank {r} {h[2]}" for r, h in enumerate(headers)))
     if len(steps) > 1:
         lines.append("a rank skipped a micro-step, or ran one more: every rank must run the same number of "
                      "forward/backward passes between optimizer steps")

@@ -36,7 +36,7 @@ from z3kit.release import ReleasePolicy, StockReleasePolicy
 from z3kit.shard import ParamStatus, fill_partition, shard_numel_for
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit.trace import TraceRecorder
-from z3kit_recipes.zero3.agreement import RanksDisagree, StepRecord, check_step
+from z3kit_recipes.zero3.agreement import RanksDisagree, StepCheck, StepRecord, start_step_check
 from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
@@ -232,7 +232,6 @@ class Zero3Engine:
             shards,
             trainable,
             group=self.reduce_group,
-            record=self.record,
             waiter=self.watch.wait,
             streams=self.streams,
             log=self.log,
@@ -347,8 +346,10 @@ class Zero3Engine:
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers (BatchNorm statistics, ...) to every rank before a
         training forward, as DDP does: one broadcast per dtype."""
+        if self.world == 1:
+            return
         buffers = [b for b in self.module.buffers() if b.numel()]
-        if self.world == 1 or not buffers:
+        if not buffers:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in buffers:
@@ -394,9 +395,10 @@ class Zero3Engine:
             self.hooks.finish_backward()
             self.coordinator.finish_schedule()
             if self.reducer is not None:
+                check = self._start_step_check()
                 self.reducer.finish()
                 try:
-                    self._agree_on_backward()
+                    self._agree_on_backward(check)
                 except RanksDisagree as exc:
                     self.watch.broken = str(exc)  # every rank raised it: none may go on alone
                     raise
@@ -414,24 +416,34 @@ class Zero3Engine:
         self.micro_step += 1
         self._backward_since_step = True
 
-    def _agree_on_backward(self) -> None:
-        """Compare this backward across ranks; the parameters that got a
-        gradient on some rank are the window's (see ``zero3.agreement``)."""
+    def _start_step_check(self) -> StepCheck | None:
+        """Begin comparing this backward across ranks (see ``zero3.agreement``);
+        None on one rank."""
         assert self.reducer is not None
-        arrived = self.reducer.arrived
         if self.world == 1:
+            return None
+        arrived = self.reducer.arrived
+        # not on the reduction group: the ranks may still have different
+        # bucket flushes to issue there (zero-filled where no gradient came)
+        return start_step_check(
+            self.agreement.group,
+            self.device,
+            global_step=self.global_step,
+            micro_step=self.micro_step,
+            record=self.record,
+            used=[pid in arrived for pid in self.trainable],
+        )
+
+    def _agree_on_backward(self, check: StepCheck | None) -> None:
+        """Finish the comparison: the parameters that got a gradient on some
+        rank are the window's (see ``zero3.agreement``)."""
+        assert self.reducer is not None
+        if check is None:
+            arrived = self.reducer.arrived
             used = [pid in arrived for pid in self.trainable]
         else:
             started = time.perf_counter()
-            used = check_step(
-                self.reduce_group,
-                self.device,
-                self.watch.wait,
-                global_step=self.global_step,
-                micro_step=self.micro_step,
-                record=self.record,
-                used=[pid in arrived for pid in self.trainable],
-            )
+            used = check.result(self.watch.wait)
             self._step_check_s += time.perf_counter() - started
         self.record.clear()
         self.reducer.mark_used(pid for pid, u in zip(self.trainable, used) if u)

@@ -51,7 +51,7 @@ from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
-from z3kit_recipes.zero3.agreement import StepRecord, Waiter
+from z3kit_recipes.zero3.agreement import Waiter
 from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.params import profiled
 
@@ -117,7 +117,6 @@ class GradReducer:
         trainable: Sequence[int],
         *,
         group: ProcessGroup,
-        record: StepRecord,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -131,7 +130,6 @@ class GradReducer:
     ) -> None:
         self.shards = shards
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
-        self.record = record
         self.waiter = waiter
         self.mode, self.overlap, self.scale = mode, overlap, scale
         first = shards[trainable[0]]
@@ -208,7 +206,6 @@ class GradReducer:
             self._next += 1
 
     def _issue(self, index: int) -> None:
-        self.record.reductions += 1
         if len(self._flights) >= MAX_FLIGHTS:
             self._land(oldest_only=True)
         if self.plan.alone[index]:

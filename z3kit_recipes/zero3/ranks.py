@@ -72,7 +72,7 @@ class RankWatch:
         self._watched = WatchedWait(self.board, self._on_notices, self._on_timeout, timeout_s=timeout_s, poll_s=poll_s)
 
     # -- the waits ---------------------------------------------------------------------
-    def wait(self, done: Callable[[], bool], wait: Callable[[], Any]) -> Any:
+    def wait(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
         """Complete one collective (see the module docstring); once the ranks
         no longer run together, raise at once instead of waiting."""
         if self.broken is not None:
