@@ -183,3 +183,35 @@ def test_bucket_flush_with_no_group_raises_and_keeps_bucket_usable() -> None:
     assert len(b) == 1 and b.used == 4
     b.add(1, torch.ones(2))
     assert len(b) == 2
+
+
+def _reserved_worker(ctx: WorkerContext, mode: ReduceMode) -> dict[str, Any]:
+    """Slices reserved up front, gradients added in a rank-dependent order, one left missing on rank 0."""
+    keys = [0, 1, 2, 3]
+    bucket = FlatBucket(_padded_total(ctx.world, keys), rank=ctx.rank, world=ctx.world, mode=mode)
+    for key in keys:
+        bucket.reserve(key, _grad(0, key, 0).numel())
+    order = keys[::-1] if ctx.rank % 2 else keys
+    skipped = 2 if ctx.rank == 0 else None
+    for key in order:
+        if key != skipped:
+            bucket.add(key, _grad(ctx.rank, key, 0))
+    missing, full = bucket.missing(), bucket.is_full()
+    bucket.zero_missing()
+    parts = dict(bucket.flush(ctx.group, scale=SCALE).wait())
+    return {"missing": missing, "full_before": full, "full_after": bucket.is_full() and not bucket.missing(),
+            "parts": parts}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_reserved_slices_give_one_layout_whatever_the_order_and_zeros_where_missing(
+    pools: PoolSet, world: int, mode: ReduceMode
+) -> None:
+    for rank, out in enumerate(pools.run(world, _reserved_worker, mode)):
+        assert out["missing"] == ([2] if rank == 0 else []) and out["full_before"] == (rank != 0)
+        assert out["full_after"]
+        for key, part in out["parts"].items():
+            full = sum(_grad(r, key, 0).reshape(-1) for r in range(world) if not (r == 0 and key == 2))
+            want = partition_of(full * SCALE, rank, world)
+            torch.testing.assert_close(part, want, rtol=0, atol=1e-6)

@@ -148,6 +148,10 @@ class FlatBucket:
         """Keys reserved and not added yet."""
         return list(self._pending)
 
+    def is_full(self) -> bool:
+        """Every reserved slice got its gradient (``missing()`` is empty)."""
+        return not self._pending
+
     def zero_missing(self) -> None:
         """Zeros in every reserved slice that got no gradient (a parameter
         unused on this rank): the bucket can be reduced with the rest."""
@@ -180,7 +184,8 @@ class FlatBucket:
         numel = flat.numel()
         if self.mode is ReduceMode.ALL_REDUCE:
             self.buffer[where : where + numel].copy_(flat)
-            self.buffer[where + numel : where + shard * self.world].zero_()
+            if numel != shard * self.world:
+                self.buffer[where + numel : where + shard * self.world].zero_()
         else:
             padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
             self._region(where, shard).copy_(padded.view(self.world, shard))

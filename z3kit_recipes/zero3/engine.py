@@ -269,6 +269,8 @@ class Zero3Engine:
         self.leaf_param_ids = frozenset(leaf_params)
         self._use_mode = ParamUseMode(self.coordinator, self.hooks)
         self._param_ids = tuple(id(p) for p in params)
+        #: the buffers broadcast before each training forward (None: list them again)
+        self._buffers_to_broadcast: list[torch.Tensor] | None = None
         self._watch_registrations()
 
         self._backward_since_step = False
@@ -348,7 +350,9 @@ class Zero3Engine:
         training forward, as DDP does: one broadcast per dtype."""
         if self.world == 1:
             return
-        buffers = [b for b in self.module.buffers() if b.numel()]
+        if self._buffers_to_broadcast is None:  # kept between steps: walking the modules costs as much as a small step
+            self._buffers_to_broadcast = [b for b in self.module.buffers() if b.numel()]
+        buffers = self._buffers_to_broadcast
         if not buffers:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -369,7 +373,9 @@ class Zero3Engine:
         if in_backward():
             return  # a checkpoint recomputation: backward uses these now; post-backward releases
         if self.coordinator.tracing:
-            self.coordinator.forward_done(module, any(t.requires_grad for t in iter_tensors(output)))
+            needs_grad = (output.requires_grad if isinstance(output, torch.Tensor)
+                          else any(t.requires_grad for t in iter_tensors(output)))
+            self.coordinator.forward_done(module, needs_grad)
         self.coordinator.release(module, keep=self.coordinator.params_in(output))
 
     # -- backward ---------------------------------------------------------------------------
@@ -746,6 +752,13 @@ class Zero3Engine:
             module_registry.register_module_module_registration_hook,
         ):
             weakref.finalize(self, register(on_registration).remove)
+
+        def on_buffer(owner: nn.Module, name: str, value: Any) -> None:
+            live = engine()
+            if live is not None and id(owner) in model_modules:
+                live._buffers_to_broadcast = None  # listed again at the next training forward
+
+        weakref.finalize(self, module_registry.register_module_buffer_registration_hook(on_buffer).remove)
 
     def _check_parameters_unchanged(self) -> None:
         current = [(name, p) for name, p in self.module.named_parameters()]

@@ -198,7 +198,7 @@ class GradReducer:
         if self.plan.alone[index]:
             return index in self._waiting
         bucket = self._buckets.get(index)
-        return bucket is not None and not bucket.missing()
+        return bucket is not None and bucket.is_full()
 
     def _issue_ready(self) -> None:
         while self._next < len(self.plan.buckets) and self._ready(self._next):
