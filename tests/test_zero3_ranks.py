@@ -416,3 +416,30 @@ def test_a_rank_stuck_elsewhere_is_named_after_collective_timeout_s(pools: Any) 
     assert waiting["seconds"] < 10, waiting  # the timeout and the others' moment to answer, not the 12 s stall
     # the stuck rank, once back, learns why the others stopped instead of waiting for them
     assert stuck["caught"].startswith("RankFailed") and "rank 0 waited" in stuck["caught"], stuck
+
+
+def run_extra_backward(ctx: Any) -> dict[str, Any]:
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(6)
+    engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0,
+                              gradient_accumulation_steps=2, collective_timeout_s=20.0), dist_fresh_group(ctx))
+    caught = ""
+    try:
+        for step in range(3):
+            for micro in range(3 if (ctx.rank == 1 and step == 1) else 2):  # rank 1 runs one backward more
+                b = vec_batch(ctx.rank, step, micro, 0)
+                engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+            engine.step()
+    except Exception as e:  # noqa: BLE001
+        caught = f"{type(e).__name__}: {e}"
+    return {"caught": caught}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_backward_more_between_optimizer_steps_is_named(pools: Any, world: int) -> None:
+    results = pools.run(world, run_extra_backward)
+    assert len({r["caught"] for r in results}) == 1  # the same error on every rank
+    caught = results[0]["caught"]
+    assert caught.startswith("RanksDisagree: the ranks are not running the same step"), caught
+    assert "rank 0 (2, 4)" in caught and "rank 1 (1, 4)" in caught and "ran one more" in caught, caught

@@ -63,7 +63,8 @@ def _dtype_name(value: Any) -> str:
 class Zero3Config:
     """Configuration of the stock ZeRO-3 runtime. Sizes count elements.
 
-    The first nine fields carry DeepSpeed's meaning and default:
+    The first nine fields carry DeepSpeed's meaning, and its default except
+    for ``gradient_clipping`` (0, off; DeepSpeed's is 1.0):
     ``prefetch_bucket_size`` caps one prefetch; ``max_live_parameters``
     caps gathered elements (a running module's own fetch is never refused);
     ``max_reuse_distance`` keeps a parameter gathered at module exit when

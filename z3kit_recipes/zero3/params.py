@@ -134,8 +134,6 @@ class ParamCoordinator:
         self._finished: list[int] = []
         self._forward_open: dict[nn.Module, list[int]] = {}
         self._schedule: BackwardSchedule | None = None
-        #: modules the schedule fetched before (or without) their pre-backward
-        self._ghosts: set[nn.Module] = set()
         #: whether this step's forward fetches were agreed one by one (no trace vouched for them)
         self._agreed_forward = False
         self._steps: tuple[TraceStep, ...] | None = None  # frozen trace, cached while it matches
@@ -259,18 +257,15 @@ class ParamCoordinator:
             order = [i for i in range(len(self._forward)) if i not in finished] + self._finished
             self._schedule = BackwardSchedule([self._forward[i] for i in order if i not in self._no_backward])
         entries = self._schedule.advance_to(module)
-        if entries is None:  # passed over as a ghost already, or not scheduled at all
-            self._ghosts.discard(module)
+        if entries is None:  # passed over as a ghost already (still held), or not scheduled at all
             if self.check_every_fetch:
                 self._agree_in_backward(module)
             self._fetch_entry(module, traced=False)
             return
-        for entry, ghost in entries:
+        for entry in entries:  # a ghost stays held until its own post-backward, or the end of backward
             if self.check_every_fetch:
                 self._agree_in_backward(entry)
             self._fetch_entry(entry, traced=True)
-            if ghost:
-                self._ghosts.add(entry)
 
     def finish_schedule(self) -> None:
         """End of backward: the schedule's remaining entries, fetched as ghosts
@@ -462,7 +457,7 @@ class ParamCoordinator:
         self._frontier = 0
         self._forward, self._forward_open, self._no_backward, self._finished = [], {}, set(), []
         self._fetches_in_step = 0
-        self._schedule, self._ghosts, self._agreed_forward = None, set(), False
+        self._schedule, self._agreed_forward = None, False
 
     def end_step(self) -> None:
         self.trace.end_step()

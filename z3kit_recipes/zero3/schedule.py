@@ -32,12 +32,13 @@ class BackwardSchedule:
         self.entries: list[nn.Module] = list(reversed(forward))
         self.cursor = 0
 
-    def advance_to(self, module: nn.Module) -> list[tuple[nn.Module, bool]] | None:
-        """The entries up to ``module``'s next one, each with whether it is a
-        ghost (passed over); None when ``module`` has no entry ahead."""
+    def advance_to(self, module: nn.Module) -> list[nn.Module] | None:
+        """The entries up to and including ``module``'s next one (those
+        before it are ghosts: passed over); None when ``module`` has no entry
+        ahead."""
         for i in range(self.cursor, len(self.entries)):
             if self.entries[i] is module:
-                out = [(m, True) for m in self.entries[self.cursor : i]] + [(module, False)]
+                out = self.entries[self.cursor : i + 1]
                 self.cursor = i + 1
                 return out
         return None
