@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast, failed_ranks
+from z3kit.device import BACKEND_FOR_DEVICE_TYPE
 from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes, storage_bytes, tensor_bytes
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import HookActions, ModuleHooks, in_backward, iter_tensors, map_tensors
@@ -50,8 +51,8 @@ from z3kit_recipes.zero3.params import ParamCoordinator, ParamUseMode, TimelineE
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
-#: device type served by each process-group backend
-_DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
+#: device type served by each process-group backend (the inverse of z3kit.device's table)
+_DEVICE_FOR_BACKEND = {backend: device_type for device_type, backend in BACKEND_FOR_DEVICE_TYPE.items()}
 
 
 @attrs.frozen
@@ -838,7 +839,7 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
             raise ValueError(
                 f"parameter {name!r} is on {p.device}, but the process group's backend {backend!r} "
                 f"communicates {device_type} tensors; move the model to {device_type} (or CPU) or use a "
-                f"{ {'cpu': 'gloo', 'cuda': 'nccl', 'npu': 'hccl'}.get(p.device.type, 'matching')} group"
+                f"{BACKEND_FOR_DEVICE_TYPE.get(p.device.type, 'matching')} group"
             )
     return device
 
