@@ -168,33 +168,44 @@ class RankWatch:
             raise RankFailed(f"{self.broken}; every rank must run the same modules in the same order (a "
                              "rank-dependent subtree can be marked as a leaf module, gathered as one unit)")
         failures = [n for n in notices if n.message.startswith((FAILED, WAITING))]
-        if failures:
-            notes = [n for n in notices if n.message.startswith(NOTE)]
-            self.broken = "; ".join(_quoted(n) for n in failures + notes)
-            if self.board is not None:  # the failed rank learns at once that this one did not fail with it
-                self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
-            raise RankFailed(f"{self.broken}; every rank stops this step")
+        if not failures:
+            return
+        if not any(n.message.startswith(FAILED) for n in failures):
+            # only waits reported (a collective failed or timed out somewhere): a
+            # rank may be lost, so name the ones that do not answer
+            self._fail_together(f"rank {self.rank} stopped: rank {failures[0].rank} reported a collective that "
+                                "failed or waited too long", heard=notices)
+        notes = [n for n in notices if n.message.startswith(NOTE)]
+        self.broken = "; ".join(_quoted(n) for n in failures + notes)
+        if self.board is not None:  # the failed rank learns at once that this one did not fail with it
+            self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
+        raise RankFailed(f"{self.broken}; every rank stops this step")
 
     def _on_timeout(self, seconds: float) -> None:
         self._fail_together(f"rank {self.rank} waited {seconds:.0f} s in a collective (collective_timeout_s)")
 
-    def _fail_together(self, what: str) -> None:
-        """Post ``what``, give the others ``ANSWER_S`` to post theirs, raise naming the silent ranks."""
+    def _fail_together(self, what: str, heard: list[Notice] | None = None) -> None:
+        """Post ``what``, give the others ``ANSWER_S`` to post theirs (besides
+        the notices ``heard`` already), raise naming the silent ranks."""
         if self.board is None:
             self.broken = what
             raise RankFailed(what)
         self.board.post(f"{WAITING}{what} ({self.describe()})")
         deadline = time.monotonic() + ANSWER_S
-        heard: dict[int, list[str]] = {}
+        by_rank: dict[int, list[str]] = {}
+        for n in heard or []:
+            by_rank.setdefault(n.rank, []).append(n.message)
         while time.monotonic() < deadline:
             for n in self.board.unread():
-                heard.setdefault(n.rank, []).append(n.message)
-            if len(heard) == self.world - 1 and any(m.startswith((WAITING, FAILED)) for ms in heard.values() for m in ms):
+                by_rank.setdefault(n.rank, []).append(n.message)
+            if len(by_rank) == self.world - 1 and any(
+                m.startswith((WAITING, FAILED)) for ms in by_rank.values() for m in ms
+            ):
                 break
             time.sleep(0.05)
-        silent = [r for r in range(self.world) if r != self.rank and r not in heard]
+        silent = [r for r in range(self.world) if r != self.rank and r not in by_rank]
         parts = [what]
-        parts += [f"rank {r}: {m}" for r, ms in sorted(heard.items()) for m in ms]
+        parts += [f"rank {r}: {m}" for r, ms in sorted(by_rank.items()) for m in ms]
         if silent:
             parts.append(f"rank(s) {silent} posted nothing within {ANSWER_S:.0f} s: lost (the process died or "
                          "its host is unreachable) or busy outside this engine")
