@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 
 def error_of(fn: Any, *args: Any, **kwargs: Any) -> str:
@@ -13,3 +16,8 @@ def error_of(fn: Any, *args: Any, **kwargs: Any) -> str:
     except (ValueError, TypeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def unchanged(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> bool:
+    """Every tensor of ``before`` is in ``after``, bit for bit: a refused call changed nothing."""
+    return all(name in after and torch.equal(t, after[name]) for name, t in before.items())

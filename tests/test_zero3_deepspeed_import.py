@@ -24,6 +24,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.errors import error_of, unchanged
+
 if importlib.util.find_spec("deepspeed") is None:
     print("test_zero3_deepspeed_import: skipped, deepspeed is not installed")
     pytest.skip("deepspeed is not installed", allow_module_level=True)
@@ -315,13 +317,8 @@ def test_optimizer_hyperparameters_only_when_asked(pools: Any, deepspeed_run: di
 def run_mismatch(ctx: Any, root: str) -> dict[str, Any]:
     engine = new_engine(ctx, Net(b_out=6, extra=True, gain=False))
     before = engine.full_state_dict()
-    try:
-        engine.load_deepspeed_checkpoint(root)
-        error = "no error"
-    except ValueError as e:
-        error = str(e)
-    after = engine.full_state_dict()
-    return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+    error = error_of(engine.load_deepspeed_checkpoint, root)
+    return {"error": error, "unchanged": unchanged(before, engine.full_state_dict()),
             "optimizer_state": len(engine.optimizer.state), "progress": engine.progress()}
 
 
@@ -330,21 +327,17 @@ def test_mismatched_model_is_reported_by_name_before_anything_changes(
 ) -> None:
     for r in pools.run(2, run_mismatch, deepspeed_run["root"]):
         err = r["error"]
+        assert err.startswith("ValueError: ")
         assert "does not match the model, nothing was loaded" in err
         assert "missing (1): extra" in err and "unexpected (1): gain" in err
         assert "b.weight [5, 13] (the model's is [6, 13])" in err and "b.bias [5]" in err and "frozen [5]" in err
         assert r["unchanged"] and r["optimizer_state"] == 0 and r["progress"] == (0, 0)
     for err in pools.run(1, run_load_error, str(tmp_path)):
-        assert "no 'latest' file" in err
+        assert err.startswith("ValueError: ") and "no 'latest' file" in err
 
 
 def run_load_error(ctx: Any, root: str) -> str:
-    engine = new_engine(ctx, Net())
-    try:
-        engine.load_deepspeed_checkpoint(root)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(new_engine(ctx, Net()).load_deepspeed_checkpoint, root)
 
 
 def run_bf16_load(ctx: Any, root: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.errors import error_of
+from tests.errors import error_of, unchanged
 from tests.zero3_models import WORKLOADS, Case, assert_pair, build_pair, engine_micro_step, finish, new_result, train_steps
 from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit_recipes.zero3.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
@@ -264,8 +264,7 @@ def run_failing_factory(ctx: Any, failing_rank: int) -> dict[str, Any]:
         err: BaseException | None = None
     except (KeyError, RuntimeError) as e:
         err = e
-    after = {n: p.detach() for n, p in model.named_parameters()}
-    return {"error": repr(err), "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+    return {"error": repr(err), "unchanged": unchanged(before, dict(model.named_parameters()))}
 
 
 def test_a_factory_failing_on_one_rank_fails_everywhere_and_changes_nothing(pools: Any) -> None:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.errors import error_of, unchanged
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -152,13 +154,8 @@ def run_mismatched_load(ctx: Any, src: str) -> dict[str, Any]:
     model.extra = nn.Linear(2, 2, device="meta")  # missing from the checkpoint
     engine = zero3.initialize(model, torch.optim.Adam, None, ctx.group, param_init_fn=model._init_weights)
     before = engine.full_state_dict()
-    try:
-        engine.load_pretrained(src)
-        message = "no error"
-    except ValueError as e:
-        message = str(e)
-    after = engine.full_state_dict()
-    return {"message": message, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+    message = error_of(engine.load_pretrained, src)
+    return {"message": message, "unchanged": unchanged(before, engine.full_state_dict())}
 
 
 def test_mismatched_checkpoint_is_reported_by_name_before_anything_changes(pools: Any, tmp_path: Path) -> None:
@@ -166,6 +163,7 @@ def test_mismatched_checkpoint_is_reported_by_name_before_anything_changes(pools
     for r in pools.run(2, run_mismatched_load, str(tmp_path)):
         assert r["unchanged"]
         msg = r["message"]
+        assert msg.startswith("ValueError: ")
         assert "missing (2): extra.weight, extra.bias" in msg
         assert "mis-shaped" in msg and "model.layers.0.mlp.gate_proj.weight [40, 24] (the model's is [48, 24])" in msg
 
