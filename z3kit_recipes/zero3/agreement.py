@@ -29,11 +29,6 @@ from z3kit.collectives import Pending, ProcessGroup, all_gather
 Waiter = Callable[[Callable[[float], bool], Callable[[], Any]], Any]
 
 
-def plain_wait(done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
-    """A ``Waiter`` that just waits (one rank, or no notice board)."""
-    return wait()
-
-
 class RankAgreement(Protocol):
     """How a parameter coordinator makes sure the ranks fetch alike."""
 
