@@ -17,39 +17,36 @@ from typing import Any
 import pytest
 import torch
 
+from z3kit.stream_check import RecordingStreamPair
 from z3kit.streams import StreamPair, StreamPairLike, SyncStreamPair, stream_pair_for
 
-PROTOCOL_MEMBERS = ["device", "on_comm", "comm_wait_compute", "compute_wait_comm", "hold_until_comm_done", "synchronize"]
+PROTOCOL_MEMBERS = ["device", "communicate", "complete", "synchronize"]
 
 
-def test_sync_stream_pair_runs_inline_and_holds_nothing() -> None:
+def test_sync_stream_pair_runs_inline_and_closes_tickets() -> None:
     pair = SyncStreamPair()
     assert pair.device == torch.device("cpu")
-    ran = []
-    with pair.on_comm():
-        ran.append("comm")
-    assert ran == ["comm"]
-    with pytest.raises(KeyError, match="boom"), pair.on_comm():
-        raise KeyError("boom")  # errors inside the comm block are not swallowed
-    pair.comm_wait_compute()
-    pair.compute_wait_comm()
-    t = torch.ones(4)
-    ref = weakref.ref(t)
-    pair.hold_until_comm_done(t)
-    del t
-    gc.collect()
-    assert ref() is None, "the synchronous pair must not keep held tensors alive"
+    a, b = torch.ones(2), torch.zeros(2)
+    with pair.communicate(reads=[a], writes=[b], label="copy") as ticket:
+        b.copy_(a)
+    assert ticket.reads == (a,) and ticket.writes == (b,) and not ticket.completed
+    with pytest.raises(KeyError, match="boom"), pair.communicate(reads=[], writes=[]):
+        raise KeyError("boom")  # errors inside the communication block are not swallowed
+    finished: list[str] = []
+    pair.complete(ticket, lambda: finished.append("finish"))
+    pair.complete(ticket, lambda: finished.append("again"))  # a completed ticket is not finished twice
+    assert finished == ["finish"] and ticket.completed and ticket.reads == ticket.writes == ()
     pair.synchronize()
 
 
 def test_both_pairs_have_the_protocol_interface() -> None:
     for member in PROTOCOL_MEMBERS:
         assert hasattr(StreamPairLike, member)
-        for cls in (StreamPair, SyncStreamPair):
+        for cls in (StreamPair, SyncStreamPair, RecordingStreamPair):
             assert hasattr(cls, member), f"{cls.__name__} lacks {member}"
     for name in PROTOCOL_MEMBERS[1:]:
         expected = list(inspect.signature(getattr(StreamPairLike, name)).parameters)
-        for cls in (StreamPair, SyncStreamPair):
+        for cls in (StreamPair, SyncStreamPair, RecordingStreamPair):
             assert list(inspect.signature(getattr(cls, name)).parameters) == expected, (cls.__name__, name)
 
 
@@ -78,31 +75,29 @@ def test_stream_pair_for_picks_by_device_type() -> None:
 
 
 class _FakeEvent:
-    def __init__(self, log: list[str], name: str) -> None:
-        self.log, self.name, self.complete = log, name, False
-
-    def query(self) -> bool:
-        return self.complete
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 class _FakeStream:
     def __init__(self, log: list[str], name: str) -> None:
         self.log, self.name = log, name
-        self.events: list[_FakeEvent] = []
+        self.events = 0
 
     def wait_stream(self, other: _FakeStream) -> None:
         self.log.append(f"{self.name}.wait({other.name})")
 
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append(f"{self.name}.wait({event.name})")
+
     def record_event(self) -> _FakeEvent:
-        event = _FakeEvent(self.log, f"{self.name}.event{len(self.events)}")
-        self.events.append(event)
-        self.log.append(f"{self.name}.record")
+        self.events += 1
+        event = _FakeEvent(f"{self.name}.event{self.events}")
+        self.log.append(f"{self.name}.record({event.name})")
         return event
 
     def synchronize(self) -> None:
         self.log.append(f"{self.name}.synchronize")
-        for e in self.events:
-            e.complete = True
 
 
 class _FakeModule:
@@ -138,32 +133,38 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeModule:
     return fake
 
 
-def test_stream_pair_orders_comm_after_compute(fake_cuda: _FakeModule) -> None:
+def test_stream_pair_orders_comm_after_compute_and_compute_after_the_event(fake_cuda: _FakeModule) -> None:
     pair = stream_pair_for(torch.device("cuda", 0))
     assert isinstance(pair, StreamPair) and pair.device == torch.device("cuda", 0)
     assert pair.compute.name == "compute" and pair.comm.name == "comm"
-    with pair.on_comm():
+    a = torch.ones(2)
+    with pair.communicate(reads=[a], writes=[a], label="all_reduce") as ticket:
         assert fake_cuda.current_stream() is pair.comm
         fake_cuda.log.append("collective")
     assert fake_cuda.current_stream() is pair.compute
-    pair.compute_wait_comm()
-    assert fake_cuda.log == ["comm.wait(compute)", "enter comm", "collective", "exit comm", "compute.wait(comm)"]
+    assert ticket.reads == (a,) and not ticket.completed  # held until completed
+    pair.complete(ticket, lambda: fake_cuda.log.append("wait + follow-ups"))
+    assert ticket.completed and ticket.event.name == "comm.event1" and ticket.reads == ()
+    pair.complete(ticket, lambda: fake_cuda.log.append("never"))
+    assert fake_cuda.log == [
+        "comm.wait(compute)", "enter comm", "collective", "exit comm",
+        "enter comm", "wait + follow-ups", "comm.record(comm.event1)", "exit comm", "compute.wait(comm.event1)",
+    ]
 
 
-def test_stream_pair_holds_tensors_until_comm_event_completes(fake_cuda: _FakeModule) -> None:
+def test_stream_pair_keeps_the_ticket_open_when_finish_fails(fake_cuda: _FakeModule) -> None:
     pair = StreamPair(torch.device("cuda", 0))
-    a, b = torch.ones(2), torch.ones(3)
-    ref_a, ref_b = weakref.ref(a), weakref.ref(b)
-    pair.hold_until_comm_done(a)
+    a = torch.ones(2)
+    ref = weakref.ref(a)
+    with pair.communicate(reads=[a], writes=[], label="x") as ticket:
+        pass
     del a
+
+    def fail() -> None:
+        raise RuntimeError("rank 1 failed")
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        pair.complete(ticket, fail)
     gc.collect()
-    assert ref_a() is not None, "a tensor in use by the comm stream was freed early"
-    pair.comm.events[0].complete = True
-    pair.hold_until_comm_done(b)  # the next use prunes what is done
-    del b
-    gc.collect()
-    assert ref_a() is None and ref_b() is not None
-    pair.synchronize()
-    gc.collect()
-    assert ref_b() is None
-    assert "comm.synchronize" in fake_cuda.log
+    assert not ticket.completed and ref() is not None, "a buffer of an unfinished communication was freed"
+    assert "compute.wait" not in " ".join(fake_cuda.log)

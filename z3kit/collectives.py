@@ -66,6 +66,12 @@ class CollectiveLog:
             self.bytes[k] = 0
 
 
+#: how a caller waits for a collective: called with ``(is_completed, wait)``, it
+#: returns once ``wait()`` returned (a runtime polls ``is_completed(timeout_s)``
+#: meanwhile to notice a rank that failed); ``wait()``'s result is passed on
+Blocker = Callable[[Callable[[float], bool], Callable[[], Any]], Any]
+
+
 class Pending:
     """Handle of a collective that may still be running.
 

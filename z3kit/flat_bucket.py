@@ -24,7 +24,8 @@ import enum
 
 import torch
 
-from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
+from z3kit.collectives import Blocker, CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
+from z3kit.streams import CommTicket, StreamPairLike, SyncStreamPair
 from z3kit.shard import shard_numel_for
 
 
@@ -36,28 +37,38 @@ class ReduceMode(enum.Enum):
 
 
 class BucketFlush:
-    """An issued bucket reduction. ``wait()`` returns ``[(key, partition)]``.
+    """An issued bucket reduction. ``wait()`` completes it on its stream pair
+    and returns ``[(key, partition)]``.
 
     The partitions are views into the bucket's buffers: consume them (copy
     or add them elsewhere) before the bucket takes new gradients.
     """
 
-    __slots__ = ("_pending", "_parts", "_bucket")
+    __slots__ = ("_pending", "_parts", "_bucket", "_streams", "ticket")
 
-    def __init__(self, bucket: FlatBucket, pending: Pending, parts: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        bucket: FlatBucket,
+        pending: Pending,
+        parts: list[tuple[int, torch.Tensor]],
+        streams: StreamPairLike,
+        ticket: CommTicket,
+    ) -> None:
         self._bucket = bucket
         self._pending = pending
         self._parts = parts
+        self._streams = streams
+        #: the communication: the bucket's buffers and, once waited on, its event
+        self.ticket = ticket
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
         """True once the reduction finished (``wait`` will not block); see ``Pending.is_completed``."""
-        return self._pending.is_completed(timeout_s)
+        return self.ticket.completed or self._pending.is_completed(timeout_s)
 
-    def wait(self) -> list[tuple[int, torch.Tensor]]:
-        self._pending.wait()
-        # a stale handle waited on again must not unlock a newer flush still in flight
-        if self._bucket._in_flight is self:
-            self._bucket._in_flight = None
+    def wait(self, block: Blocker | None = None) -> list[tuple[int, torch.Tensor]]:
+        finish = self._pending.wait
+        self._streams.complete(self.ticket, finish if block is None else lambda: block(self.is_completed, finish))
+        self._bucket.landed(self)
         return self._parts
 
 
@@ -190,27 +201,39 @@ class FlatBucket:
             padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
             self._region(where, shard).copy_(padded.view(self.world, shard))
 
+    def landed(self, flush: BucketFlush) -> None:
+        """``flush`` was waited on: the bucket takes gradients again (a stale
+        flush waited on again does not unlock a newer one still in flight)."""
+        if self._in_flight is flush:
+            self._in_flight = None
+
     def flush(
         self,
         group: ProcessGroup,
         *,
+        streams: StreamPairLike | None = None,
         scale: float = 1.0,
         async_op: bool = False,
         log: CollectiveLog | None = None,
     ) -> BucketFlush:
-        """Reduce (sum, then ``scale``) everything added so far; this rank's
-        partitions come back from ``wait()``. The bucket is empty afterwards."""
+        """Reduce (sum, then ``scale``) everything added so far, on
+        ``streams``'s communication stream (default: inline, for CPU); this
+        rank's partitions come back from ``wait()``. The bucket is empty afterwards."""
         if self._in_flight is not None:
             raise ValueError("bucket is already being reduced; wait on the previous flush")
         if not self._entries:
             raise ValueError("flush of an empty bucket")
         if self._pending:
             raise ValueError(f"reserved gradients {sorted(self._pending)} were not added; add them or zero_missing() first")
+        if streams is None:
+            streams = SyncStreamPair(self.buffer.device)
         used, entries = self._used, self._entries
+        label = f"{self.mode.value} of a bucket of {len(entries)} gradient(s)"
         parts: list[tuple[int, torch.Tensor]]
         if self.mode is ReduceMode.ALL_REDUCE:
             region = self.buffer[:used]
-            pending = all_reduce(region, group, scale=scale, async_op=async_op, log=log)
+            with streams.communicate(reads=[region], writes=[region], label=label) as ticket:
+                pending = all_reduce(region, group, scale=scale, async_op=True, log=log)
             parts = [
                 (key, self.buffer[off + self.rank * shard : off + (self.rank + 1) * shard])
                 for key, off, shard in entries
@@ -219,12 +242,15 @@ class FlatBucket:
             assert self._out is not None
             columns = used // self.world
             rows = self.buffer.view(self.world, -1)
-            # a partly filled bucket's rows are not adjacent; compact them first
-            source = self.buffer[:used] if columns == rows.shape[1] else rows[:, :columns].contiguous().view(-1)
             out = self._out[:columns]
-            pending = reduce_scatter(out, source, group, scale=scale, async_op=async_op, log=log)
+            with streams.communicate(reads=[self.buffer[:used]], writes=[out], label=label) as ticket:
+                # a partly filled bucket's rows are not adjacent; compact them first
+                source = self.buffer[:used] if columns == rows.shape[1] else rows[:, :columns].contiguous().view(-1)
+                pending = reduce_scatter(out, source, group, scale=scale, async_op=True, log=log)
             parts = [(key, out[col : col + shard]) for key, col, shard in entries]
         self._entries, self._used = [], 0
-        flush = BucketFlush(self, pending, parts)
+        flush = BucketFlush(self, pending, parts, streams, ticket)
         self._in_flight = flush
+        if not async_op:  # done now; the bucket stays locked until wait() hands the partitions over
+            streams.complete(ticket, pending.wait)
         return flush

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
-from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_gather
+from z3kit.collectives import Blocker, CollectiveLog, Pending, ProcessGroup, all_gather
+from z3kit.streams import CommTicket, StreamPairLike, SyncStreamPair
 
 
 class ParamStatus(enum.Enum):
@@ -160,30 +161,41 @@ class ParamShard:
 
 
 class GatherHandle:
-    """A (possibly in-flight) gather of one or more shards.
+    """A gather of one or more shards, in flight until ``wait``.
 
-    ``wait()`` completes the collective, copies each parameter out of the
-    coalesced buffer when there are several, installs them and marks them
-    AVAILABLE.
+    ``wait()`` completes it on its stream pair: blocks until the collective
+    is done (through ``block``, when given), copies each parameter out of
+    the coalesced buffer when there are several, makes compute wait on the
+    communication's event, and installs the parameters (AVAILABLE).
     """
 
-    __slots__ = ("shards", "numel", "_pending", "_collective")
+    __slots__ = ("shards", "numel", "ticket", "_streams", "_finish", "_collective")
 
-    def __init__(self, shards: Sequence[ParamShard], numel: int, pending: Pending, collective: Pending) -> None:
+    def __init__(
+        self,
+        shards: Sequence[ParamShard],
+        numel: int,
+        streams: StreamPairLike,
+        ticket: CommTicket,
+        finish: Callable[[], None],
+        collective: Pending,
+    ) -> None:
         self.shards = tuple(shards)
         self.numel = numel
-        #: completes the collective and installs the parameters
-        self._pending = pending
-        #: the collective alone (``pending``'s follow-up waits on it)
+        #: the communication: its buffers and, once waited on, its event
+        self.ticket = ticket
+        self._streams = streams
+        #: waits for the collective and copies out (on the comm stream)
+        self._finish = finish
         self._collective = collective
 
     @property
     def done(self) -> bool:
-        return self._pending.done
+        return self.ticket.completed
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
         """True once the collective finished (``wait`` will not block); see ``Pending.is_completed``."""
-        return self._pending.done or self._collective.is_completed(timeout_s)
+        return self.ticket.completed or self._collective.is_completed(timeout_s)
 
     @property
     def staging_numel(self) -> int:
@@ -191,8 +203,13 @@ class GatherHandle:
         ``wait`` copies it out (0 for one parameter, gathered in place)."""
         return 0 if len(self.shards) == 1 else sum(s.padded_numel for s in self.shards)
 
-    def wait(self) -> None:
-        self._pending.wait()
+    def wait(self, block: Blocker | None = None) -> None:
+        if self.ticket.completed:
+            return
+        finish = self._finish
+        self._streams.complete(self.ticket, finish if block is None else lambda: block(self.is_completed, finish))
+        for s in self.shards:
+            s.install()
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -220,15 +237,18 @@ def gather_shards(
     shards: Sequence[ParamShard],
     group: ProcessGroup,
     *,
+    streams: StreamPairLike | None = None,
     async_op: bool = False,
     log: CollectiveLog | None = None,
 ) -> GatherHandle:
-    """All-gather several parameters in one collective.
+    """All-gather several parameters in one collective, on ``streams``'s
+    communication stream (default: inline, for CPU).
 
     One parameter gathers straight into its own padded buffer: the rank-major
     output *is* the padded flat parameter. Several are concatenated into one
     input; the output, viewed as (world, sum of shard sizes), is then copied
-    out per parameter on ``wait``.
+    out per parameter on ``wait``. The full buffers are given their bytes
+    here, on the compute stream (see the Note in ``z3kit.streams``).
     """
     if not shards:
         raise ValueError("gather_shards needs at least one shard")
@@ -246,36 +266,37 @@ def gather_shards(
                 f"coalesced gather needs shards of one rank and world size, got rank {s.rank} of {s.world} "
                 f"and rank {first.rank} of {first.world}"
             )
+    if streams is None:
+        streams = SyncStreamPair(first.shard.device)
     world = first.world
     total = sum(s.numel for s in shards)
+    fulls = [s.materialize() for s in shards]
+    label = f"all_gather {len(shards)} param(s), {total} elements"
+    finish: Callable[[], None]
     if len(shards) == 1:
         # the rank-major output of one parameter is its padded full buffer
-        pending = all_gather(first.materialize(), first.shard, group, async_op=async_op, log=log)
-
-        def install() -> None:
-            pending.wait()
-            first.install()
-
+        with streams.communicate(reads=[first.shard], writes=fulls, label=label) as ticket:
+            pending = all_gather(fulls[0], first.shard, group, async_op=True, log=log)
+        finish = pending.wait
     else:
-        flat_in = _adjacent_view(shards)
-        if flat_in is None:
-            flat_in = torch.cat([s.shard for s in shards])
-        out = flat_in.new_empty(world * flat_in.numel())
-        pending = all_gather(out, flat_in, group, async_op=async_op, log=log)
+        with streams.communicate(reads=[s.shard for s in shards], writes=fulls, label=label) as ticket:
+            flat_in = _adjacent_view(shards)
+            if flat_in is None:
+                flat_in = torch.cat([s.shard for s in shards])
+            out = flat_in.new_empty(world * flat_in.numel())
+            pending = all_gather(out, flat_in, group, async_op=True, log=log)
 
-        def install() -> None:
+        def finish() -> None:
             pending.wait()
             # one split-copy kernel fills every parameter's own full buffer
             # from the (world, sum of shard sizes) rank-major output
             sizes = [s.shard_numel for s in shards]
-            fulls = [s.materialize().view(world, n) for s, n in zip(shards, sizes)]
-            torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=fulls)
-            for s in shards:
-                s.install()
+            views = [f.view(world, n) for f, n in zip(fulls, sizes)]
+            torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=views)
 
     for s in shards:
         s.status = ParamStatus.INFLIGHT
-    handle = GatherHandle(shards, total, Pending(None, install), pending)
+    handle = GatherHandle(shards, total, streams, ticket, finish, pending)
     if not async_op:
         handle.wait()
     return handle

@@ -1,28 +1,68 @@
 """StreamPair: a device's compute stream and one communication stream.
 
-Note: buffer lifetime across streams.
-    A tensor allocated on one stream and used by another may be handed back
-    to the caching allocator while the other stream still reads or writes it.
-    torch offers two remedies: ``Tensor.record_stream`` (the allocator defers
-    reuse until the stream's work at free time is done, but the deferral is
-    invisible and can hold memory long past need) or holding a Python
-    reference until an event recorded after the last use completes. We hold
-    references: the rule is explicit, works the same on every backend that
-    has events (CUDA, NPU, XPU), and the held set is pruned each time the
-    pair is used, so memory comes back as soon as the work is done.
+A communication that fills or drains buffers runs inside
+``pair.communicate(reads=..., writes=...)``, which returns a ``CommTicket``:
+the buffers it uses and, once completed, the event recorded after it. The
+component that issued it (the parameter coordinator for gathers, the
+gradient reducer for reductions) later calls ``pair.complete(ticket,
+finish)``: ``finish`` blocks on the collective and runs its follow-ups on
+the communication stream, an event is recorded there, and the compute
+stream waits on that event. That is the only hand-over from communication
+to compute; nothing else orders the two streams.
+
+Note: the two rules.
+    1. Compute never reads or writes a buffer a communication writes before
+       that communication's ticket is completed (compute waits on its event).
+    2. No buffer a communication reads or writes is freed or reused before
+       its ticket is completed.
+    ``communicate`` makes the communication stream wait for the compute
+    stream first, so a collective never reads a buffer that compute is still
+    writing. The ticket holds a reference to every buffer until it is
+    completed, so dropping one early cannot free it (rule 2), and
+    ``complete`` orders everything compute does afterwards behind the event
+    (rule 1). ``z3kit.stream_check.RecordingStreamPair`` checks both rules
+    on CPU.
+
+Note: where buffers are allocated.
+    Buffers that compute touches (gathered parameters, gradient buckets,
+    reduction outputs) are allocated on the compute stream, before
+    ``communicate``. A block freed on the communication stream could be
+    handed to the next communication while compute still reads it;
+    allocated on the compute stream, its reuse is ordered behind compute's
+    own work. Only staging buffers that compute never sees (a coalesced
+    gather's input and output) are allocated inside ``communicate``. This is
+    why we hold references instead of calling ``Tensor.record_stream``,
+    whose deferred frees are invisible and can hold memory long past need.
 
 On CPU there are no asynchronous streams: ``SyncStreamPair`` runs everything
-inline and its waits are no-ops; asynchrony there comes from the process
-group's work handles, not from streams.
+inline; asynchrony there comes from the process group's work handles.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import attrs
 import torch
+
+
+@attrs.define(eq=False)
+class CommTicket:
+    """One communication: the buffers it reads and writes, held until it is
+    completed, and the event recorded after it (None on CPU)."""
+
+    label: str
+    reads: tuple[torch.Tensor, ...]
+    writes: tuple[torch.Tensor, ...]
+    event: Any = None
+    completed: bool = False
+
+    def close(self, event: Any = None) -> None:
+        """Completed: compute is ordered after the communication; the buffers are the owner's again."""
+        self.event, self.completed = event, True
+        self.reads = self.writes = ()
 
 
 class StreamPairLike(Protocol):
@@ -31,27 +71,21 @@ class StreamPairLike(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def on_comm(self) -> contextlib.AbstractContextManager[None]: ...
+    def communicate(
+        self, *, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], label: str = ""
+    ) -> contextlib.AbstractContextManager[CommTicket]: ...
 
-    def comm_wait_compute(self) -> None: ...
-
-    def compute_wait_comm(self) -> None: ...
-
-    def hold_until_comm_done(self, *tensors: torch.Tensor) -> None: ...
+    def complete(self, ticket: CommTicket, finish: Callable[[], object]) -> None: ...
 
     def synchronize(self) -> None: ...
 
 
-class StreamPair:
-    """Compute + communication stream of one accelerator device.
+def _ticket(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], label: str) -> CommTicket:
+    return CommTicket(label, tuple(reads), tuple(writes))
 
-    ``on_comm()`` runs the enclosed work on the comm stream, after making the
-    comm stream wait for the work already queued on the compute stream (so a
-    collective never reads a buffer that compute is still writing).
-    ``compute_wait_comm()`` makes the compute stream wait for everything
-    queued on the comm stream so far. ``hold_until_comm_done`` keeps tensors
-    alive until the comm stream has finished with them (see the Note above).
-    """
+
+class StreamPair:
+    """Compute + communication stream of one accelerator device (see the module Notes)."""
 
     def __init__(self, device: torch.device | str) -> None:
         device = _as_device(device)
@@ -63,43 +97,38 @@ class StreamPair:
             raise ValueError(f"StreamPair needs a {device.type} device, but none is available")
         self.compute = self._module.current_stream(device)
         self.comm = self._module.Stream(device=device)
-        self._held: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
 
     @property
     def device(self) -> torch.device:
         return self._device
 
     @contextlib.contextmanager
-    def on_comm(self) -> Iterator[None]:
-        self.comm_wait_compute()
-        with self._module.stream(self.comm):
-            yield
-
-    def comm_wait_compute(self) -> None:
+    def communicate(
+        self, *, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], label: str = ""
+    ) -> Iterator[CommTicket]:
+        """Run the enclosed collective on the comm stream, after the compute work queued so far."""
+        ticket = _ticket(reads, writes, label)
         self.comm.wait_stream(self.compute)
+        with self._module.stream(self.comm):
+            yield ticket
 
-    def compute_wait_comm(self) -> None:
-        self.compute.wait_stream(self.comm)
-
-    def hold_until_comm_done(self, *tensors: torch.Tensor) -> None:
-        event = self.comm.record_event()
-        self._held.append((event, tensors))
-        self._prune()
-
-    def _prune(self) -> None:
-        self._held = [(e, t) for e, t in self._held if not e.query()]
+    def complete(self, ticket: CommTicket, finish: Callable[[], object]) -> None:
+        """``finish()`` on the comm stream (waits for the collective, runs its
+        follow-ups), then the compute stream waits on the event recorded after it."""
+        if ticket.completed:
+            return
+        with self._module.stream(self.comm):
+            finish()
+            event = self.comm.record_event()
+        self.compute.wait_event(event)
+        ticket.close(event)
 
     def synchronize(self) -> None:
         self.comm.synchronize()
-        self._held.clear()
 
 
 class SyncStreamPair:
-    """Synchronous stand-in for CPU: same interface, everything runs inline.
-
-    Held tensors are released at once, since inline work is complete when
-    the call that issued it returns.
-    """
+    """Synchronous stand-in for CPU: same interface, everything runs inline."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self._device = torch.device("cpu") if device is None else _as_device(device)
@@ -109,17 +138,15 @@ class SyncStreamPair:
         return self._device
 
     @contextlib.contextmanager
-    def on_comm(self) -> Iterator[None]:
-        yield
+    def communicate(
+        self, *, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], label: str = ""
+    ) -> Iterator[CommTicket]:
+        yield _ticket(reads, writes, label)
 
-    def comm_wait_compute(self) -> None:
-        pass
-
-    def compute_wait_comm(self) -> None:
-        pass
-
-    def hold_until_comm_done(self, *tensors: torch.Tensor) -> None:
-        pass
+    def complete(self, ticket: CommTicket, finish: Callable[[], object]) -> None:
+        if not ticket.completed:
+            finish()
+            ticket.close()
 
     def synchronize(self) -> None:
         pass

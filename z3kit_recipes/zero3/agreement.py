@@ -22,11 +22,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit.collectives import Pending, ProcessGroup, all_gather
+from z3kit.collectives import Blocker, Pending, ProcessGroup, all_gather
 
-#: completes a collective while watching the other ranks: ``waiter(done, wait)``, where
-#: ``done(timeout_s)`` blocks up to that long and says whether it finished (``Pending.is_completed``)
-Waiter = Callable[[Callable[[float], bool], Callable[[], Any]], Any]
+#: completes a collective while watching the other ranks (``z3kit.collectives.Blocker``)
+Waiter = Blocker
 
 
 class RankAgreement(Protocol):

@@ -127,6 +127,7 @@ class Zero3Engine:
         limiter: PrefetchLimiter,
         memory_plan: MemoryPlan | None = None,
         meta_init: MetaInit | None = None,
+        stream_pairs: Callable[[torch.device], StreamPairLike] = stream_pair_for,
     ) -> None:
         meta_init = meta_init or MetaInit(None, 0)
         self.module = module
@@ -148,7 +149,9 @@ class Zero3Engine:
         )
         #: fetches no trace vouches for are agreed on a group of their own
         self.agreement = FetchAgreement(_twin_group(group), device, self.watch, lambda: self.micro_step)
-        self.streams: StreamPairLike = stream_pair_for(device)
+        #: gathers and reductions each have a communication stream of their own
+        self.gather_streams: StreamPairLike = stream_pairs(device)
+        self.reduce_streams: StreamPairLike = stream_pairs(device)
         dtype = config.torch_dtype
 
         named = list(module.named_parameters())  # each parameter once, tied ones included
@@ -212,7 +215,7 @@ class Zero3Engine:
             shards,
             hooked,
             group=group,
-            streams=self.streams,
+            streams=self.gather_streams,
             trace=trace,
             policy=release_policy,
             limiter=limiter,
@@ -234,7 +237,7 @@ class Zero3Engine:
             trainable,
             group=self.reduce_group,
             waiter=self.watch.wait,
-            streams=self.streams,
+            streams=self.reduce_streams,
             log=self.log,
             memory=self.memory,
             bucket_size=config.reduce_bucket_size if memory_plan is None else memory_plan.reduce_bucket_size,
@@ -656,7 +659,8 @@ class Zero3Engine:
         torch profiler: a gloo work issued under the profiler and completed
         after it stopped can crash the process."""
         self.coordinator.wait_inflight()
-        self.streams.synchronize()
+        self.gather_streams.synchronize()
+        self.reduce_streams.synchronize()
 
     # -- observability ---------------------------------------------------------------------------
     def stats(self) -> Zero3Stats:
@@ -856,6 +860,7 @@ def initialize(
     prefetch_limiter: PrefetchLimiter | None = None,
     param_init_fn: InitFn | None = None,
     init_seed: int | None = None,
+    stream_pairs: Callable[[torch.device], StreamPairLike] = stream_pair_for,
 ) -> Zero3Engine:
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
@@ -936,7 +941,7 @@ def initialize(
         meta_init = MetaInit(param_init_fn, _agreed_seed(init_seed, process_group, device))
     return Zero3Engine(
         model, optimizer, config, process_group, device, leaves, trace, release_policy, prefetch_limiter, plan,
-        meta_init,
+        meta_init, stream_pairs,
     )
 
 

@@ -50,7 +50,7 @@ from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
-from z3kit.streams import StreamPairLike
+from z3kit.streams import CommTicket, StreamPairLike
 from z3kit_recipes.zero3.agreement import Waiter
 from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.params import profiled
@@ -100,12 +100,12 @@ class _Flight:
     """A reduction in flight: its handle, and what to land from it."""
 
     pending: Pending | BucketFlush
+    #: an unbucketed reduction's communication (a bucket's is its flush's)
+    ticket: CommTicket | None
     #: (pid, this rank's partition) for an unbucketed one; a bucket's come from its flush
     parts: list[tuple[int, torch.Tensor]]
     #: bytes to free from the ledger once landed
     nbytes: int
-    #: kept alive until landed (an unbucketed reduction's input)
-    keep: torch.Tensor | None = None
 
 
 class GradReducer:
@@ -212,10 +212,9 @@ class GradReducer:
             self._flights.append(self._reduce_alone(self.plan.buckets[index][0], self._waiting.pop(index)))
         else:
             bucket = self._buckets.pop(index)
-            with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"), self.streams.on_comm():
-                flush = bucket.flush(self.group, scale=self.scale, async_op=True, log=self.log)
-            self.streams.hold_until_comm_done(bucket.buffer)
-            self._flights.append(_Flight(flush, [], bucket.nbytes, bucket.buffer))
+            with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
+                flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
+            self._flights.append(_Flight(flush, None, [], bucket.nbytes))
         if not self.overlap:
             self._land()  # issued asynchronously all the same, so that the wait is a watched one
 
@@ -231,16 +230,17 @@ class GradReducer:
             self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
             self.memory.free(MemoryKind.GRAD_BUCKETS, held)
             held = tensor_bytes(padded)
-        with self.streams.on_comm():
+        size = shard.shard_numel
+        # the output is allocated before the communication, on the compute stream that reads it
+        out = padded.new_empty(size) if self.mode is ReduceMode.REDUCE_SCATTER else padded[self.rank * size : (self.rank + 1) * size]
+        label = f"{self.mode.value} of gradient #{pid}"
+        written = out if self.mode is ReduceMode.REDUCE_SCATTER else padded
+        with self.streams.communicate(reads=[padded], writes=[written], label=label) as ticket:
             if self.mode is ReduceMode.REDUCE_SCATTER:
-                out = padded.new_empty(shard.shard_numel)
                 pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
                 pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
-                size = shard.shard_numel
-                out = padded[self.rank * size : (self.rank + 1) * size]
-        self.streams.hold_until_comm_done(padded)
-        return _Flight(pending, [(pid, out)], held, padded)
+        return _Flight(pending, ticket, [(pid, out)], held)
 
     def _land(self, *, finished_only: bool = False, oldest_only: bool = False) -> None:
         """Land reductions in flight, in order: all, those already finished, or the oldest."""
@@ -251,12 +251,15 @@ class GradReducer:
             self._flights.pop(0)
             start = time.perf_counter()
             pending = flight.pending
+            # the one place a reduction turns into partitions: complete it on the
+            # stream pair (compute waits on its event), then accumulate
             if isinstance(pending, BucketFlush):
-                parts = self.waiter(pending.is_completed, pending.wait)
+                parts = pending.wait(self.waiter)
             else:
-                self.waiter(pending.is_completed, pending.wait)
+                assert flight.ticket is not None
+                done = pending
+                self.streams.complete(flight.ticket, lambda: self.waiter(done.is_completed, done.wait))
                 parts = flight.parts
-            self.streams.compute_wait_comm()
             self.comm_wait_s += time.perf_counter() - start
             partitions = self.window()
             for pid, part in parts:

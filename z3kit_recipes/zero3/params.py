@@ -160,37 +160,28 @@ class ParamCoordinator:
     def _gather(self, pids: list[int], *, async_op: bool) -> GatherHandle:
         numel = sum(self.numels[p] for p in pids)
         self.limiter.on_gather(numel)
-        with self.streams.on_comm():
-            handle = gather_shards([self.shards[p] for p in pids], self.group, async_op=True, log=self.log)
+        handle = gather_shards([self.shards[p] for p in pids], self.group, streams=self.streams, async_op=True, log=self.log)
         self.record.gathers += 1
-        # one parameter is gathered into its own buffer; several into an output
-        # buffer that wait() copies out of (both exist for a moment) and frees
-        self.memory.allocate(
-            MemoryKind.GATHERED_PARAMS,
-            handle.staging_numel * self._element_size if handle.staging_numel else self._gathered_bytes[pids[0]],
-        )
+        # every parameter's own buffer, and while in flight the coalesced output that wait() copies out of
+        staging = handle.staging_numel * self._element_size
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, staging + sum(self._gathered_bytes[p] for p in pids))
         for p in pids:
             self._handles[p] = handle
         if not async_op:
             self._wait(pids[0])
         return handle
 
-    def _copied_out(self, handle: GatherHandle) -> None:
-        if handle.staging_numel:
-            self.memory.allocate(
-                MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[self.index[id(s.param)]] for s in handle.shards)
-            )
-            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
-
     def _wait(self, pid: int) -> None:
+        """The one place a gather turns into available parameters: complete it
+        on the stream pair (compute waits on its event) and install them."""
         handle = self._handles[pid]
         start = time.perf_counter()
-        self.waiter(handle.is_completed, handle.wait)
-        self.streams.compute_wait_comm()
+        handle.wait(self.waiter)
         self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
             self._handles.pop(self.index[id(s.param)], None)
-        self._copied_out(handle)
+        if handle.staging_numel:
+            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
         self.limiter.on_gather_done()
 
     def ensure_gathered(self, pids: Iterable[int]) -> None:
