@@ -81,10 +81,15 @@ def _catches_early_use_worker(ctx: WorkerContext) -> dict[str, str]:
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
     shards = [ParamShard.from_param(p, ctx.rank, ctx.world) for p in params]
     with pair.checker.watching():
-        handle = gather_shards(shards, ctx.group, streams=pair, async_op=True)
+        # one parameter is gathered straight into its full buffer
+        handle = gather_shards(shards[:1], ctx.group, streams=pair, async_op=True)
         out["early"] = _order_error(lambda: shards[0].full.sum())
         handle.wait()
         out["after"] = f"{float(params[0].sum()):.4f}"
+        # several: into a staging buffer that compute never sees, copied out on completion
+        shards[0].release()
+        gather_shards(shards, ctx.group, streams=pair, async_op=True).wait()
+        out["coalesced"] = f"{float(params[0].sum()):.4f} {float(params[1].sum()):.4f}"
 
         bucket = FlatBucket(8 * ctx.world, rank=ctx.rank, world=ctx.world)
         bucket.add(0, torch.full((6,), float(ctx.rank + 1)))
@@ -97,10 +102,12 @@ def _catches_early_use_worker(ctx: WorkerContext) -> dict[str, str]:
 def test_gathers_and_bucket_flushes_are_caught_when_used_before_their_wait(pools: PoolSet) -> None:
     torch.manual_seed(0)
     expected = f"{float(torch.randn(5, 3).sum()):.4f}"
+    second = f"{float(torch.randn(4).sum()):.4f}"
     for out in pools.run(2, _catches_early_use_worker):
         assert out["early"].startswith("StreamOrderError: compute ran aten.sum")
-        assert "all_gather 2 param(s), 19 elements" in out["early"]
+        assert "all_gather 1 param(s), 15 elements" in out["early"]
         assert out["after"] == expected
+        assert out["coalesced"] == f"{expected} {second}"
         assert out["bucket_early"].startswith("StreamOrderError: compute ran aten.sum")
     parts = [out["parts"] for out in pools.run(2, _catches_early_use_worker)]
     assert parts == ["[[3.0, 3.0, 3.0]]", "[[3.0, 3.0, 3.0]]"]

@@ -148,7 +148,7 @@ def test_stream_pair_orders_comm_after_compute_and_compute_after_the_event(fake_
     pair.complete(ticket, lambda: fake_cuda.log.append("never"))
     assert fake_cuda.log == [
         "comm.wait(compute)", "enter comm", "collective", "exit comm",
-        "enter comm", "wait + follow-ups", "comm.record(comm.event1)", "exit comm", "compute.wait(comm.event1)",
+        "comm.wait(compute)", "enter comm", "wait + follow-ups", "comm.record(comm.event1)", "exit comm", "compute.wait(comm.event1)",
     ]
 
 

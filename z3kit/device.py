@@ -40,6 +40,16 @@ class DeviceInfo:
         return self.device.type != "cpu"
 
 
+def device_type_for_backend(backend: str) -> str:
+    """The device type a process-group backend communicates (the inverse of ``BACKEND_FOR_DEVICE_TYPE``)."""
+    for device_type, known in BACKEND_FOR_DEVICE_TYPE.items():
+        if known == backend:
+            return device_type
+    raise ValueError(
+        f"process-group backend {backend!r} is not supported; use one of {sorted(BACKEND_FOR_DEVICE_TYPE.values())}"
+    )
+
+
 def _import_torch_npu() -> bool:
     """Import torch_npu if it is installed; True when it imported."""
     if importlib.util.find_spec("torch_npu") is None:

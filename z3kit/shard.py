@@ -206,6 +206,11 @@ class GatherHandle:
     def wait(self, block: Blocker | None = None) -> None:
         if self.ticket.completed:
             return
+        if len(self.shards) > 1:
+            # the full buffers get their bytes only now, on the compute stream,
+            # so that a coalesced gather in flight holds its output buffer alone
+            for s in self.shards:
+                s.materialize()
         finish = self._finish
         self._streams.complete(self.ticket, finish if block is None else lambda: block(self.is_completed, finish))
         for s in self.shards:
@@ -247,8 +252,9 @@ def gather_shards(
     One parameter gathers straight into its own padded buffer: the rank-major
     output *is* the padded flat parameter. Several are concatenated into one
     input; the output, viewed as (world, sum of shard sizes), is then copied
-    out per parameter on ``wait``. The full buffers are given their bytes
-    here, on the compute stream (see the Note in ``z3kit.streams``).
+    out per parameter on ``wait``. Full buffers get their bytes on the
+    compute stream (see the Note in ``z3kit.streams``): one parameter's
+    here, several parameters' in ``wait``, just before the copy-out.
     """
     if not shards:
         raise ValueError("gather_shards needs at least one shard")
@@ -270,20 +276,21 @@ def gather_shards(
         streams = SyncStreamPair(first.shard.device)
     world = first.world
     total = sum(s.numel for s in shards)
-    fulls = [s.materialize() for s in shards]
     label = f"all_gather {len(shards)} param(s), {total} elements"
     finish: Callable[[], None]
     if len(shards) == 1:
         # the rank-major output of one parameter is its padded full buffer
-        with streams.communicate(reads=[first.shard], writes=fulls, label=label) as ticket:
-            pending = all_gather(fulls[0], first.shard, group, async_op=True, log=log)
+        full = first.materialize()
+        with streams.communicate(reads=[first.shard], writes=[full], label=label) as ticket:
+            pending = all_gather(full, first.shard, group, async_op=True, log=log)
         finish = pending.wait
     else:
-        with streams.communicate(reads=[s.shard for s in shards], writes=fulls, label=label) as ticket:
+        with streams.communicate(reads=[s.shard for s in shards], writes=[], label=label) as ticket:
             flat_in = _adjacent_view(shards)
             if flat_in is None:
                 flat_in = torch.cat([s.shard for s in shards])
             out = flat_in.new_empty(world * flat_in.numel())
+            ticket.writes = (out,)
             pending = all_gather(out, flat_in, group, async_op=True, log=log)
 
         def finish() -> None:
@@ -291,7 +298,7 @@ def gather_shards(
             # one split-copy kernel fills every parameter's own full buffer
             # from the (world, sum of shard sizes) rank-major output
             sizes = [s.shard_numel for s in shards]
-            views = [f.view(world, n) for f, n in zip(fulls, sizes)]
+            views = [s.full.view(world, n) for s, n in zip(shards, sizes)]
             torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=views)
 
     for s in shards:

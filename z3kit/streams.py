@@ -26,7 +26,8 @@ Note: the two rules.
 Note: where buffers are allocated.
     Buffers that compute touches (gathered parameters, gradient buckets,
     reduction outputs) are allocated on the compute stream, before
-    ``communicate``. A block freed on the communication stream could be
+    ``communicate`` or, for what a follow-up writes, before ``complete``
+    (which makes the communication stream wait for compute first). A block freed on the communication stream could be
     handed to the next communication while compute still reads it;
     allocated on the compute stream, its reuse is ordered behind compute's
     own work. Only staging buffers that compute never sees (a coalesced
@@ -117,6 +118,8 @@ class StreamPair:
         follow-ups), then the compute stream waits on the event recorded after it."""
         if ticket.completed:
             return
+        # buffers compute allocated for the follow-ups (a gather's copy-out) are written there
+        self.comm.wait_stream(self.compute)
         with self._module.stream(self.comm):
             finish()
             event = self.comm.record_event()

@@ -24,7 +24,7 @@ from z3kit_recipes.train.loop import LoopResult, Tally
 from z3kit_recipes.train.memory import MemoryFigures
 from z3kit_recipes.train.spec import RunSpec
 from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.params import TimelineEvent
+from z3kit_recipes.zero3.timeline import TimelineEvent
 
 #: steps averaged for the loss at the start and at the end
 LOSS_WINDOW: Final = 10

@@ -9,6 +9,8 @@
 """
 
 from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.engine import Zero3Engine, Zero3Stats, initialize
+from z3kit_recipes.zero3.engine import Zero3Engine
+from z3kit_recipes.zero3.initialize import initialize
+from z3kit_recipes.zero3.stats import Zero3Stats
 
 __all__ = ["Zero3Config", "Zero3Engine", "Zero3Stats", "initialize"]

@@ -53,7 +53,7 @@ from z3kit.shard import ParamShard
 from z3kit.streams import CommTicket, StreamPairLike
 from z3kit_recipes.zero3.agreement import Waiter
 from z3kit_recipes.zero3.budget import transient_cap
-from z3kit_recipes.zero3.params import profiled
+from z3kit_recipes.zero3.timeline import profiled
 
 #: reductions in flight at once before the oldest is waited for
 MAX_FLIGHTS = 2

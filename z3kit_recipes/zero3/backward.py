@@ -1,0 +1,151 @@
+"""The backward pass of the stock runtime: gradients handed over, and its end.
+
+``BackwardPass`` owns the grad-ready hooks of the trainable parameters (a
+leaf unit hands its parameters' gradients over in one call instead), queues
+the end-of-backward callback from inside the first backward hook, and at the
+end of backward fetches the schedule's remaining entries, finishes the
+reductions, has the ranks compare what they did (``zero3.agreement``) and
+frees every gathered parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from z3kit.hooks import ModuleHooks, in_backward
+from z3kit.leaf import ParamGrads
+from z3kit.shard import ParamShard
+from z3kit_recipes.zero3.agreement import RanksDisagree, StepCheck, StepRecord, start_step_check
+from z3kit_recipes.zero3.grads import GradReducer
+from z3kit_recipes.zero3.params import ParamCoordinator
+from z3kit_recipes.zero3.phase import Phase, TrainingState
+from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
+
+
+class BackwardPass:
+    """Gradients into the reducer; the end-of-backward epilogue (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: Sequence[ParamShard],
+        names: Sequence[str],
+        trainable: Sequence[int],
+        leaf_params: frozenset[int],
+        *,
+        coordinator: ParamCoordinator,
+        reducer: GradReducer | None,
+        hooks: ModuleHooks,
+        record: StepRecord,
+        watch: RankWatch,
+        agreement: FetchAgreement,
+        training_state: TrainingState,
+    ) -> None:
+        self.shards, self.names, self.trainable, self.leaf_params = shards, names, trainable, leaf_params
+        self.coordinator, self.reducer, self.hooks, self.record = coordinator, reducer, hooks, record
+        self.watch, self.agreement, self.training_state = watch, agreement, training_state
+        self._queued = False
+        #: seconds spent finishing the ranks' comparison of a backward
+        self.check_s = 0.0
+        self._grad_handles = [  # kept so the hooks can be removed
+            shards[pid].param.register_post_accumulate_grad_hook(self._grad_hook(pid))
+            for pid in trainable
+            if pid not in leaf_params
+        ]
+
+    @property
+    def running(self) -> bool:
+        """A backward of ours is under way (its epilogue is queued)."""
+        return self._queued
+
+    def _grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
+        def on_grad_ready(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                self._hand_over(pid, param, param.grad)
+
+        return on_grad_ready
+
+    def _hand_over(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A full gradient is ready: into the reducer, out of ``param.grad``."""
+        if self.reducer is None:
+            return
+        self.queue_epilogue()
+        self.reducer.add(pid, grad)
+        param.grad = None
+
+    def reduce_leaf(self, grads: ParamGrads) -> None:
+        """A leaf unit's gradients, all at once (``LeafModuleHook``)."""
+        for param, grad in grads:
+            self._hand_over(self.coordinator.index[id(param)], param, grad)
+
+    def pre_backward(self, module: torch.nn.Module) -> None:
+        self.queue_epilogue()
+        self.coordinator.fetch_for_backward(module)
+
+    def queue_epilogue(self) -> None:
+        """Queue the end-of-backward callback once per backward, from inside
+        it (the first hook to fire is the root's, in the outermost backward)."""
+        if self._queued or not in_backward():
+            return
+        self._queued = True
+        self.training_state.phase = Phase.BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self.end)
+
+    def end(self) -> None:
+        """End of backward (or a backward that reached no hook of ours)."""
+        self._queued = False
+        try:
+            self.hooks.finish_backward()
+            self.coordinator.finish_schedule()
+            if self.reducer is not None:
+                check = self._start_check()
+                self.reducer.finish()
+                try:
+                    self._agree(check)
+                except RanksDisagree as exc:
+                    self.watch.broken = str(exc)  # every rank raised it: none may go on alone
+                    raise
+            late = [self.names[p] for p in self.leaf_params if self.shards[p].param.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"gradients of leaf-unit parameters {late[:5]} arrived after their unit was reduced; "
+                    "a parameter of a leaf module is being used outside it"
+                )
+        finally:
+            self.coordinator.end_step()
+            self.hooks.reset()
+            self.training_state.phase = Phase.IDLE
+        self.training_state.micro_step += 1
+
+    def _start_check(self) -> StepCheck | None:
+        """Begin comparing this backward across ranks (see ``zero3.agreement``); None on one rank."""
+        assert self.reducer is not None
+        if self.watch.world == 1:
+            return None
+        arrived = self.reducer.arrived
+        # not on the reduction group: the ranks may still have different
+        # bucket flushes to issue there (zero-filled where no gradient came)
+        return start_step_check(
+            self.agreement.group,
+            self.agreement.device,
+            global_step=self.training_state.global_step,
+            micro_step=self.training_state.micro_step,
+            record=self.record,
+            used=[pid in arrived for pid in self.trainable],
+        )
+
+    def _agree(self, check: StepCheck | None) -> None:
+        """Finish the comparison: the parameters that got a gradient on some
+        rank are the window's (see ``zero3.agreement``)."""
+        assert self.reducer is not None
+        if check is None:
+            arrived = self.reducer.arrived
+            used = [pid in arrived for pid in self.trainable]
+        else:
+            started = time.perf_counter()
+            used = check.result(self.watch.wait)
+            self.check_s += time.perf_counter() - started
+        self.record.clear()
+        self.reducer.mark_used(pid for pid, u in zip(self.trainable, used) if u)

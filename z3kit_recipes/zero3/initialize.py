@@ -1,0 +1,177 @@
+"""``zero3.initialize``: every argument checked, then the engine assembled.
+
+Nothing touches the model before every check has passed, on every rank
+where a check depends on the others (the optimizer factory, the seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from z3kit.collectives import ProcessGroup, broadcast
+from z3kit.device import BACKEND_FOR_DEVICE_TYPE, device_type_for_backend
+from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import ReleasePolicy, StockReleasePolicy
+from z3kit.shard import shard_numel_for
+from z3kit.streams import stream_pair_for
+from z3kit.trace import TraceRecorder
+from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
+from z3kit_recipes.zero3.build import MetaInit, OptimizerFactory, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
+from z3kit_recipes.zero3.engine import Zero3Engine
+from z3kit_recipes.zero3.grads import MAX_FLIGHTS
+from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
+from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors
+
+
+def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    device_type = device_type_for_backend(backend)
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        module = torch.get_device_module(device_type)
+        device = torch.device(device_type, module.current_device())
+    for name, p in model.named_parameters():
+        if p.device.type not in ("cpu", "meta", device_type):
+            raise ValueError(
+                f"parameter {name!r} is on {p.device}, but the process group's backend {backend!r} "
+                f"communicates {device_type} tensors; move the model to {device_type} (or CPU) or use a "
+                f"{BACKEND_FOR_DEVICE_TYPE.get(p.device.type, 'matching')} group"
+            )
+    return device
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerFactory | None,
+    config: Zero3Config | Mapping[str, Any] | None = None,
+    process_group: ProcessGroup | None = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    *,
+    trace: TraceRecorder | None = None,
+    release_policy: ReleasePolicy | None = None,
+    prefetch_limiter: PrefetchLimiter | None = None,
+    param_init_fn: InitFn | None = None,
+    init_seed: int | None = None,
+    stream_pairs: StreamPairFactory = stream_pair_for,
+) -> Zero3Engine:
+    """Shard ``model`` over ``process_group`` (default: the world group) and
+    return the engine that trains it.
+
+    ``optimizer`` is a factory that receives this rank's fp32 master shards,
+    or None for an inference-only engine (an RLHF reference model, say): no
+    masters, no gradient buffers, every parameter frozen; ``step`` and
+    ``backward`` are refused.
+    ``config`` is a ``Zero3Config`` or a DeepSpeed config dict. ``trace``,
+    ``release_policy`` and ``prefetch_limiter`` replace the stock policies
+    (the config's knobs for them are then not used). Every argument is
+    checked before the model is touched: a failed call changes nothing.
+
+    A model built on the meta device is materialized one module at a time
+    (see ``z3kit_recipes.zero3.materialize``): by ``param_init_fn(module)``
+    when given (a Hugging Face model's ``_init_weights``), else by each
+    module's ``reset_parameters()``, from ``init_seed`` (default: rank 0's
+    ``torch.initial_seed()``), the same on every rank.
+
+    ``stream_pairs`` makes the stream pair of the gathers and the one of the
+    reductions for a device (default: ``z3kit.streams.stream_pair_for``);
+    tests pass ``z3kit.stream_check.RecordingStreamPair``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
+        raise TypeError(
+            "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
+            "it receives this rank's master shards (or None for an engine that only runs forwards)"
+        )
+    if config is None:
+        config = Zero3Config()
+    elif isinstance(config, Mapping):
+        config = Zero3Config.from_deepspeed(config)
+    elif not isinstance(config, Zero3Config):
+        raise TypeError(f"config must be a Zero3Config or a DeepSpeed config dict, got {type(config).__name__}")
+    if process_group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call init_process_group first, or pass process_group")
+        process_group = dist.group.WORLD
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
+    if optimizer is not None and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"every parameter of {type(model).__name__} is frozen (requires_grad=False): there is nothing to "
+            "optimize; pass optimizer=None for an engine that only runs forwards"
+        )
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 trains floating-point parameters")
+    device = _resolve_device(model, process_group)
+    leaves = resolve_leaves(model, leaf_modules)
+    if trace is None:
+        trace = TraceRecorder()
+    elif not isinstance(trace, TraceRecorder):
+        raise TypeError(f"trace must be a TraceRecorder (or a subclass), got {type(trace).__name__}")
+    plan = _plan_budget(model, config, leaves, dist.get_world_size(process_group))
+    knobs = plan.knobs() if plan is not None else {name: getattr(config, name) for name in BUDGET_DERIVED}
+    if release_policy is None:
+        release_policy = StockReleasePolicy(
+            max_reuse_distance=knobs["max_reuse_distance"],
+            param_persistence_threshold=config.param_persistence_threshold,
+            max_live_parameters=knobs["max_live_parameters"],
+        )
+    elif not isinstance(release_policy, ReleasePolicy):
+        raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
+    if prefetch_limiter is None:
+        world = dist.get_world_size(process_group)
+        padded_total = sum(shard_numel_for(p.numel(), world) * world for p in model.parameters())
+        prefetch_limiter = PrefetchLimiter(
+            max_live_parameters=knobs["max_live_parameters"],
+            prefetch_bucket_size=min(knobs["prefetch_bucket_size"], transient_cap(padded_total, world)),
+            max_inflight=config.max_inflight_gathers,
+        )
+    elif not isinstance(prefetch_limiter, PrefetchLimiter):
+        raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
+    meta_init = None
+    if has_meta_tensors(model):
+        check_materializable(model, param_init_fn)
+        meta_init = MetaInit(param_init_fn, _agreed_seed(init_seed, process_group, device))
+    parts = assemble(
+        model, optimizer, config, process_group, device, leaves, Policies(trace, release_policy, prefetch_limiter),
+        plan, meta_init or MetaInit(None, 0), stream_pairs,
+    )
+    return Zero3Engine(parts)
+
+
+def _agreed_seed(seed: int | None, group: ProcessGroup, device: torch.device) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()``: the same on every rank."""
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"init_seed must be an int, got {type(seed).__name__}")
+        return seed
+    value = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64, device=device)
+    broadcast(value, 0, group)
+    return int(value.item())
+
+
+def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:
+    """The knobs ``config.memory_budget`` stands for on this model, if it is set."""
+    if config.memory_budget is None:
+        return None
+    params = [p for _, p in model.named_parameters()]
+    groups = fetch_groups(model, params, leaves)
+    return plan_memory(
+        config.memory_budget,
+        model_numel=sum(p.numel() for p in params),
+        element_size=config.torch_dtype.itemsize,
+        largest_fetch_numel=max(sum(params[p].numel() for p in pids) for pids in groups.values()),
+        persistent_numel=sum(p.numel() for p in params if p.numel() < config.param_persistence_threshold),
+        world=world,
+        buckets=MAX_FLIGHTS + 1 if config.overlap_comm else 1,
+    )

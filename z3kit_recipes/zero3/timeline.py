@@ -1,0 +1,63 @@
+"""The parameter timeline of one optimizer step, and profiler labels.
+
+``engine.capture_timeline()`` arms a ``Timeline``; from the next optimizer
+step to the one after it, the parameter coordinator notes every fetch,
+prefetch and release into it (``train`` plots it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import attrs
+import torch
+
+
+def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
+    """A named range in torch.profiler traces; free when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
+@attrs.frozen
+class TimelineEvent:
+    """One point of a step's parameter timeline."""
+
+    time_s: float
+    #: "fetch", "prefetch" or "release"
+    kind: str
+    module: str
+    #: elements the event gathered or released
+    numel: int
+    #: gathered elements right after the event
+    live_numel: int
+
+
+class Timeline:
+    """Armed by ``arm()``: records the optimizer step after the next ``step_boundary()``."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        self._recording: list[TimelineEvent] | None = None
+        #: the last step recorded
+        self.last: list[TimelineEvent] = []
+
+    @property
+    def recording(self) -> bool:
+        return self._recording is not None
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def note(self, kind: str, module: str, numel: int, live_numel: int) -> None:
+        if self._recording is not None:
+            self._recording.append(TimelineEvent(time.perf_counter(), kind, module, numel, live_numel))
+
+    def step_boundary(self) -> None:
+        if self._recording is not None:
+            self.last, self._recording = self._recording, None
+        if self._armed:
+            self._armed, self._recording = False, []
