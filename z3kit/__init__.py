@@ -12,13 +12,15 @@ from z3kit.leaf import LeafModuleHook
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards, partition_of, shard_numel_for
-from z3kit.streams import StreamPair, StreamPairLike, SyncStreamPair, stream_pair_for
+from z3kit.stream_check import RecordingStreamPair, StreamOrderChecker, StreamOrderError
+from z3kit.streams import CommTicket, StreamPair, StreamPairLike, SyncStreamPair, stream_pair_for
 from z3kit.trace import TraceRecorder, TraceState, TraceStep
 
 __all__ = [
     "BucketFlush",
     "CollectiveKind",
     "CollectiveLog",
+    "CommTicket",
     "DeviceInfo",
     "FlatBucket",
     "GatherHandle",
@@ -31,9 +33,12 @@ __all__ = [
     "ParamStatus",
     "Pending",
     "PrefetchLimiter",
+    "RecordingStreamPair",
     "ReduceMode",
     "ReleasePolicy",
     "StockReleasePolicy",
+    "StreamOrderChecker",
+    "StreamOrderError",
     "StreamPair",
     "StreamPairLike",
     "SyncStreamPair",

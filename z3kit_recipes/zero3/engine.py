@@ -33,6 +33,7 @@ from z3kit_recipes.zero3.build import EngineParts
 from z3kit_recipes.zero3.phase import Phase
 from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
 from z3kit_recipes.zero3.stats import Zero3Stats, collect_stats
+from z3kit_recipes.zero3.timeline import TimelineEvent
 
 
 class Zero3Engine:
@@ -60,7 +61,11 @@ class Zero3Engine:
         return self.training_state.micro_step
 
     @property
-    def timeline(self) -> list[Any]:
+    def phase(self) -> Phase:
+        return self.training_state.phase
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
         """The parameter timeline of the last captured step (see ``capture_timeline``)."""
         return self.parts.timeline.last
 

@@ -52,47 +52,12 @@ from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import CommTicket, StreamPairLike
 from z3kit_recipes.zero3.agreement import Waiter
+from z3kit_recipes.zero3.reduction_plan import ReductionPlan
 from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.timeline import profiled
 
 #: reductions in flight at once before the oldest is waited for
 MAX_FLIGHTS = 2
-
-
-@attrs.frozen
-class ReductionPlan:
-    """Buckets of parameter ids, in the order they are reduced; a bucket of
-    one marked ``alone`` is reduced on its own (see the Note on large gradients)."""
-
-    buckets: tuple[tuple[int, ...], ...]
-    alone: tuple[bool, ...]
-    #: the bucket of each parameter id
-    bucket_of: dict[int, int]
-
-    @classmethod
-    def make(cls, order: Sequence[int], numels: dict[int, int], padded: dict[int, int], capacity: int) -> ReductionPlan:
-        buckets: list[tuple[int, ...]] = []
-        alone: list[bool] = []
-        current: list[int] = []
-        size = 0
-        for pid in order:
-            big = padded[pid] > capacity or (numels[pid] == padded[pid] and 2 * padded[pid] >= capacity)
-            if big or (current and size + padded[pid] > capacity):
-                if current:
-                    buckets.append(tuple(current))
-                    alone.append(False)
-                current, size = [], 0
-            if big:
-                buckets.append((pid,))
-                alone.append(True)
-            else:
-                current.append(pid)
-                size += padded[pid]
-        if current:
-            buckets.append(tuple(current))
-            alone.append(False)
-        bucket_of = {pid: b for b, pids in enumerate(buckets) for pid in pids}
-        return cls(tuple(buckets), tuple(alone), bucket_of)
 
 
 @attrs.define

@@ -1,6 +1,14 @@
 """Parameters used outside their module, seen through a TorchFunctionMode.
 
-See the Note on parameters used outside their module in ``zero3.params``.
+Note: parameters used outside their module.
+    A module may use a parameter it does not own (``F.linear(x,
+    self.embed.weight)`` in a parent, tied weights) or return one of its own
+    parameters for another module to use. ``ParamUseMode`` sees every torch
+    call during the engine's forward; when a managed parameter shows up in
+    a module that does not list it, the parameter is gathered if needed and
+    added to that module's list for good, so later fetches (and backward)
+    gather it with the module. The changed fetch list invalidates the trace
+    once, and the next step records the new one.
 """
 
 from __future__ import annotations

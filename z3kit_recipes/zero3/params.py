@@ -18,16 +18,6 @@ Note: holding.
     checkpoint recomputations: they fetch, but leave the release to the
     module's post-backward, because backward is about to use what they
     gathered.
-
-Note: parameters used outside their module.
-    A module may use a parameter it does not own (``F.linear(x,
-    self.embed.weight)`` in a parent, tied weights) or return one of its own
-    parameters for another module to use. ``ParamUseMode`` sees every torch
-    call during the engine's forward; when a managed parameter shows up in
-    a module that does not list it, the parameter is gathered if needed and
-    added to that module's list for good, so later fetches (and backward)
-    gather it with the module. The changed fetch list invalidates the trace
-    once, and the next step records the new one.
 """
 
 from __future__ import annotations
@@ -45,7 +35,7 @@ from z3kit.shard import ParamStatus
 from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.agreement import RankAgreement, StepRecord
 from z3kit_recipes.zero3.gathers import Gatherer
-from z3kit_recipes.zero3.schedule import BackwardSchedule
+from z3kit_recipes.zero3.schedule import BackwardSchedule, ForwardLog
 from z3kit_recipes.zero3.timeline import Timeline, profiled
 
 
@@ -88,12 +78,8 @@ class ParamCoordinator:
         self._start_forward()
 
     def _start_forward(self) -> None:
-        #: this step's forward fetches (traced), which of them had no backward, the calls still open,
-        #: and the order in which they finished (an outer module finishes after those inside it)
-        self._forward: list[nn.Module] = []
-        self._no_backward: set[int] = set()
-        self._finished: list[int] = []
-        self._forward_open: dict[nn.Module, list[int]] = {}
+        #: this step's traced forward fetches, and the backward schedule made from them
+        self._forward = ForwardLog()
         self._schedule: BackwardSchedule | None = None
         #: whether this step's forward fetches were agreed one by one (no trace vouched for them)
         self._agreed_forward = False
@@ -158,9 +144,7 @@ class ParamCoordinator:
         the recorded trace vouches for it, the ranks agree on it first."""
         forward = self._tracing and not in_backward()
         if forward:
-            index = len(self._forward)
-            self._forward_open.setdefault(module, []).append(index)
-            self._forward.append(module)
+            index = self._forward.fetched(module)
             if self.trace.state is TraceState.COMPLETE and not self.check_every_fetch:
                 if not self.trace.expects(self.module_keys[module], *self._fetch_key[module]):
                     expected = self.trace.next_module()
@@ -185,14 +169,9 @@ class ParamCoordinator:
         if in_backward():
             return  # a checkpoint recomputation: backward uses these now; post-backward releases
         if self._tracing:
-            calls = self._forward_open.get(module)
-            if calls:
-                index = calls.pop()
-                self._finished.append(index)
-                needs_grad = (output.requires_grad if isinstance(output, torch.Tensor)
-                              else any(t.requires_grad for t in iter_tensors(output)))
-                if not needs_grad:
-                    self._no_backward.add(index)
+            needs_grad = (output.requires_grad if isinstance(output, torch.Tensor)
+                          else any(t.requires_grad for t in iter_tensors(output)))
+            self._forward.finished(module, needs_grad=needs_grad)
         self.release(module, keep=self.params_in(output))
 
     def fetch_for_backward(self, module: nn.Module) -> None:
@@ -200,11 +179,7 @@ class ParamCoordinator:
         if self._schedule is None:
             if self._agreed_forward:  # the forward was agreed fetch by fetch: agree that it is over
                 self.ranks.agree(len(self._forward), None)
-            # backward meets modules in the reverse of the order their forwards
-            # finished: an outer module's output gradient comes before its inner ones'
-            finished = set(self._finished)
-            order = [i for i in range(len(self._forward)) if i not in finished] + self._finished
-            self._schedule = BackwardSchedule([self._forward[i] for i in order if i not in self._no_backward])
+            self._schedule = self._forward.schedule()
         entries = self._schedule.advance_to(module)
         if entries is None:  # passed over as a ghost already (still held), or not scheduled at all
             if self.check_every_fetch:

@@ -48,3 +48,40 @@ class BackwardSchedule:
         out = self.entries[self.cursor :]
         self.cursor = len(self.entries)
         return out
+
+
+class ForwardLog:
+    """A step's forward fetches, in the order they happened and finished, and
+    which of them had no backward: what the ``BackwardSchedule`` is made from."""
+
+    def __init__(self) -> None:
+        self.fetches: list[nn.Module] = []
+        self._open: dict[nn.Module, list[int]] = {}
+        self._finished: list[int] = []
+        self._no_backward: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.fetches)
+
+    def fetched(self, module: nn.Module) -> int:
+        """``module``'s forward began; returns the fetch's index."""
+        index = len(self.fetches)
+        self._open.setdefault(module, []).append(index)
+        self.fetches.append(module)
+        return index
+
+    def finished(self, module: nn.Module, *, needs_grad: bool) -> None:
+        """``module``'s innermost open forward call returned; an output that
+        needs no gradient means no backward for the call, on any rank."""
+        calls = self._open.get(module)
+        if calls:
+            index = calls.pop()
+            self._finished.append(index)
+            if not needs_grad:
+                self._no_backward.add(index)
+
+    def schedule(self) -> BackwardSchedule:
+        # calls that never finished (still open) come first, as the outermost
+        finished = set(self._finished)
+        order = [i for i in range(len(self.fetches)) if i not in finished] + self._finished
+        return BackwardSchedule([self.fetches[i] for i in order if i not in self._no_backward])
