@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.zero3_models import Case, PairResult, assert_pair, train_pair
+import torch
+
+from tests.zero3_models import Case, PairResult, assert_pair, build_pair, finish, new_result, train_steps
 from z3kit.stream_check import RecordingStreamPair, StreamOrderChecker
 
 SHARDED = {"param_persistence_threshold": 0}
@@ -42,7 +44,15 @@ def _recorded(ctx: Any, case: Case) -> PairResult:
         return RecordingStreamPair(checker, device=device, delay_s=DELAY_S, seed=ctx.rank)
 
     with checker.watching():
-        result = train_pair(ctx, case, stream_pairs=pairs)
+        engine, ref, _ = build_pair(ctx, case, stream_pairs=pairs)
+        result = train_steps(ctx, engine, ref, case, range(case.steps), new_result(engine, ref))
+        result = finish(engine, ref, result)
+        # demand gathers outside a step, read at once: completed before compute reads them
+        with engine.gathered_parameters() as params:
+            result.extra["gathered"] = all(
+                torch.equal(p.detach().cpu(), result.engine_params[name])
+                for name, p in zip(engine.param_names, params)
+            )
     result.extra["stream"] = (checker.issued, checker.completed, checker.checked_ops, checker.inflight())
     return result
 
@@ -53,6 +63,7 @@ def test_parity_under_recorded_stream_order(pools: Any, name: str, world: int) -
     results = pools.run(world, _recorded, CASES[name])
     assert_pair(results)
     for r in results:
+        assert r.extra["gathered"] is True
         issued, completed, checked, inflight = r.extra["stream"]
         assert issued > 0, "the recording pair was not in the loop"
         # with overlap, compute runs while communication is in flight, and every such op was checked
