@@ -16,34 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-
-def _int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"Zero3Config.{attribute.name} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"Zero3Config.{attribute.name} must be >= {low}, got {value}")
-
-    return check
-
-
-def _bool(_: object, attribute: attrs.Attribute[bool], value: bool) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"Zero3Config.{attribute.name} must be a bool, got {type(value).__name__}")
-
-
-def _clipping(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Zero3Config.gradient_clipping must be a number, got {type(value).__name__}")
-    if not value >= 0.0 or value == float("inf"):
-        raise ValueError(f"Zero3Config.gradient_clipping must be a finite number >= 0 (0 disables), got {value}")
-
-
-def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Zero3Config.{attribute.name} must be a number of seconds, got {type(value).__name__}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"Zero3Config.{attribute.name} must be a finite number of seconds > 0, got {value}")
+from z3kit.validate import bool_validator, int_validator, is_number, number_validator
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -78,31 +51,31 @@ class Zero3Config:
     global-norm limit (0 disables).
     """
 
-    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=_int_at_least(0))
-    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
-    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
-    param_persistence_threshold: int = attrs.field(default=100_000, validator=_int_at_least(0))
-    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=_int_at_least(1))
-    overlap_comm: bool = attrs.field(default=True, validator=_bool)
-    contiguous_gradients: bool = attrs.field(default=True, validator=_bool)
-    gradient_accumulation_steps: int = attrs.field(default=1, validator=_int_at_least(1))
-    gradient_clipping: float = attrs.field(default=0.0, validator=_clipping)
+    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=int_validator(at_least=0))
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    param_persistence_threshold: int = attrs.field(default=100_000, validator=int_validator(at_least=0))
+    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=int_validator(at_least=1))
+    overlap_comm: bool = attrs.field(default=True, validator=bool_validator())
+    contiguous_gradients: bool = attrs.field(default=True, validator=bool_validator())
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=int_validator(at_least=1))
+    gradient_clipping: float = attrs.field(default=0.0, validator=number_validator(at_least=0.0))
     #: "fp32", or "bf16" (bf16 parameters, gathers and reductions; fp32 master shards and gradient partitions)
     compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
     #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
     reduce_scatter: bool | None = attrs.field(default=None)
     #: gathers in flight at once (demand fetches included)
-    max_inflight_gathers: int = attrs.field(default=2, validator=_int_at_least(1))
+    max_inflight_gathers: int = attrs.field(default=2, validator=int_validator(at_least=1))
     #: seconds a collective may wait for the other ranks before the engine gives up and
     #: names the ranks that did not answer (torch's own process-group timeout still applies)
-    collective_timeout_s: float = attrs.field(default=1800.0, validator=_positive_seconds)
+    collective_timeout_s: float = attrs.field(default=1800.0, validator=number_validator(above=0.0))
     #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
     #: each training forward, as DDP's ``broadcast_buffers=True`` does
-    broadcast_buffers: bool = attrs.field(default=True, validator=_bool)
+    broadcast_buffers: bool = attrs.field(default=True, validator=bool_validator())
     #: debugging: the ranks agree on every fetch of a training step, forward and backward,
     #: before gathering, so a divergence is named where it starts (one small collective a
     #: fetch); the environment variable ``Z3KIT_CHECK_EVERY_FETCH=1`` turns it on as well
-    check_every_fetch: bool = attrs.field(default=False, validator=_bool)
+    check_every_fetch: bool = attrs.field(default=False, validator=bool_validator())
     #: bytes per rank for gathered parameters and gradient buckets (an int), or a
     #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
@@ -113,7 +86,7 @@ class Zero3Config:
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:
         if value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(
                 f"Zero3Config.memory_budget must be bytes (an int) or a fraction of the model (a float), "
                 f"got {type(value).__name__}"
