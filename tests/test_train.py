@@ -65,7 +65,9 @@ def test_vocab_round_trip() -> None:
     assert list(vocab.chars) == sorted(set(text))
     ids = vocab.encode(text)
     assert ids.dtype == torch.int64 and ids.numel() == len(text)
-    assert int(ids.min()) >= 0 and int(ids.max()) < len(vocab)
+    # ids are places in the sorted alphabet of the text, every one of them used
+    assert int(ids.min()) == 0 and int(ids.max()) == len(vocab) - 1
+    assert ids[:500].tolist() == [vocab.chars.index(c) for c in text[:500]]
     assert vocab.decode(ids) == text
     with pytest.raises(ValueError, match="not in the vocabulary"):
         vocab.encode("\u2603")

@@ -31,6 +31,7 @@ from tests.zero3_models import (
 )
 from z3kit.hooks import in_backward
 from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3 import Zero3Config
 
@@ -519,6 +520,15 @@ def test_from_deepspeed_maps_keys() -> None:
     assert c.param_persistence_threshold == 640  # "auto": from the model, 10 * hidden_size
     assert Zero3Config.from_deepspeed({"bf16": {"enabled": False}}).compute_dtype == "fp32"
     assert Zero3Config.from_deepspeed({}) == Zero3Config()
+
+
+def test_primitive_defaults_agree_with_zero3config() -> None:
+    # The same DeepSpeed knob has the same default whichever entry point a user starts from.
+    c, policy, limiter = Zero3Config(), StockReleasePolicy(), PrefetchLimiter()
+    assert (policy.max_reuse_distance, policy.param_persistence_threshold, policy.max_live_parameters) == (
+        c.max_reuse_distance, c.param_persistence_threshold, c.max_live_parameters)
+    assert (limiter.max_live_parameters, limiter.prefetch_bucket_size, limiter.max_inflight) == (
+        c.max_live_parameters, c.prefetch_bucket_size, c.max_inflight_gathers)
 
 
 def test_gradient_clipping_is_off_unless_set() -> None:
