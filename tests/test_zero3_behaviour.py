@@ -258,7 +258,7 @@ class KeepUntilBackward:
     def is_persistent(self, numel: int) -> bool:
         return False
 
-    def to_release(self, step: int, params: Sequence[tuple[int, int]], trace: TraceRecorder, live_numel: int) -> list[int]:
+    def to_release(self, fetch: int, params: Sequence[tuple[int, int]], trace: TraceRecorder, live_numel: int) -> list[int]:
         self.calls += 1
         return [pid for pid, _ in params] if in_backward() else []
 
@@ -266,10 +266,10 @@ class KeepUntilBackward:
 class CountingTrace(TraceRecorder):
     def __init__(self) -> None:
         super().__init__()
-        self.fetches = 0
+        self.fetch_calls = 0
 
     def on_fetch(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
-        self.fetches += 1
+        self.fetch_calls += 1
         return super().on_fetch(module_id, param_ids, numels)
 
 
@@ -298,7 +298,7 @@ def run_custom_policies(ctx: Any, which: str, config: dict[str, Any]) -> dict[st
         "pair": finish(engine, ref, res),
         "after_forward": after_forward,
         "gathers": gathers,
-        "trace_fetches": kwargs["trace"].fetches,
+        "trace_fetches": kwargs["trace"].fetch_calls,
         "budget_asked": getattr(kwargs.get("prefetch_limiter"), "asked", None),
         "policy_calls": getattr(kwargs.get("release_policy"), "calls", None),
         "model_numel": engine.stats().model_numel,
