@@ -86,10 +86,10 @@ def test_scale_multiplies_every_partition() -> None:
 @pytest.mark.parametrize(
     ("sizes", "kwargs", "exc", "match"),
     [
-        ([3, 0], {}, ValueError, "partition sizes must be positive ints"),
-        ([3, -1], {}, ValueError, "partition sizes must be positive ints"),
-        ([3.0], {}, ValueError, "partition sizes must be positive ints"),
-        ([True], {}, ValueError, "partition sizes must be positive ints"),
+        ([3, 0], {}, ValueError, "partition sizes must be >= 1, got 0"),
+        ([3, -1], {}, ValueError, "partition sizes must be >= 1, got -1"),
+        ([3.0], {}, TypeError, "partition sizes must be ints, got float"),
+        ([True], {}, TypeError, "partition sizes must be ints, got bool"),
         ([3], {"dtype": torch.int64}, TypeError, "accumulation dtype must be floating point"),
         ([3], {"dtype": "float32"}, TypeError, "accumulation dtype must be floating point"),
     ],

@@ -8,6 +8,7 @@ import torch
 from z3kit_recipes.models import (
     GPT,
     Block,
+    CausalSelfAttention,
     GPTConfig,
     GPTWorkload,
     TinyBlock,
@@ -25,9 +26,13 @@ def test_tiny_mlp_builds_and_forwards() -> None:
     blocks = [m for m in model.modules() if isinstance(m, TinyBlock)]
     assert len(blocks) == 96
     assert sum(p.numel() for p in model.parameters()) == 96 * (32 * 32 + 32)
-    out = model(torch.randn(8, 32))
+    x = torch.randn(8, 32)
+    out = model(x)
+    want = x
+    for block in blocks:  # tanh(W x + b), block after block
+        want = torch.tanh(want @ block.linear.weight.T + block.linear.bias)
     assert out.shape == (8, 32)
-    assert out.abs().max() <= 1.0  # tanh output
+    torch.testing.assert_close(out, want)
 
 
 def test_tiny_mlp_rejects_bad_sizes() -> None:
@@ -37,11 +42,36 @@ def test_tiny_mlp_rejects_bad_sizes() -> None:
         TinyMLP(width=-1)
 
 
-def test_gpt_default_config_matches_the_benchmark() -> None:
-    cfg = GPTConfig()
-    assert (cfg.vocab_size, cfg.width, cfg.n_layer, cfg.n_head, cfg.seq_len) == (4096, 256, 8, 4, 64)
-    assert cfg.tie_mode == "hf"
-    assert cfg.head_dim == 64
+def gpt_numel(cfg: GPTConfig) -> int:
+    """Parameter elements of a GPT, counted layer by layer from its config."""
+    w = cfg.width
+    layer_norm = 2 * w
+    attention = (w * 3 * w + 3 * w) + (w * w + w)  # qkv, proj
+    mlp = (w * 4 * w + 4 * w) + (4 * w * w + w)  # fc, proj
+    block = layer_norm + attention + layer_norm + mlp
+    # token and position embeddings, blocks, final LayerNorm; the lm head is the token embedding
+    return cfg.vocab_size * w + cfg.seq_len * w + cfg.n_layer * block + layer_norm
+
+
+@pytest.mark.parametrize("cfg", [SMALL, GPTConfig(), GPTConfig(vocab_size=10, width=12, n_layer=3, n_head=3, seq_len=5)])
+def test_gpt_parameters_follow_the_config(cfg: GPTConfig) -> None:
+    model = GPT(cfg)
+    assert model.num_parameters() == gpt_numel(cfg)
+    assert len(model.blocks) == cfg.n_layer
+    attn = model.blocks[0].attn
+    assert isinstance(attn, CausalSelfAttention)
+    assert attn.n_head == cfg.n_head and cfg.head_dim * cfg.n_head == cfg.width
+
+
+def test_default_workload_batches_fit_the_default_model() -> None:
+    wl = GPTWorkload()
+    model = wl.build_model()
+    x, y = wl.batch(rank=0, step=0)
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.shape == (*x.shape, model.config.vocab_size)
+    assert int(x.max()) < model.config.vocab_size and x.shape[1] <= model.config.seq_len
+    assert torch.isfinite(wl.loss(logits, y))
 
 
 @pytest.mark.parametrize("tie_mode", ["hf", "functional"])
@@ -96,8 +126,14 @@ def test_generate_shape_and_range(top_k: int | None) -> None:
     out = model.generate(idx, max_new_tokens=20, temperature=0.8, top_k=top_k, generator=gen)
     assert out.shape == (2, 24)  # runs past seq_len: the context is cropped
     assert torch.equal(out[:, :4], idx)
-    assert int(out.min()) >= 0 and int(out.max()) < 64
+    assert int(out.max()) < 64
     assert model.training  # mode restored
+    if top_k is not None:  # each new token is among the top_k of its context's logits
+        with torch.no_grad():
+            for t in range(4, 24):
+                logits = model(out[:, max(0, t - SMALL.seq_len) : t])[:, -1]
+                top = torch.topk(logits, top_k, dim=-1).indices
+                assert bool((top == out[:, t : t + 1]).any(dim=-1).all()), t
 
 
 def test_generate_greedy_is_deterministic() -> None:
@@ -106,6 +142,9 @@ def test_generate_greedy_is_deterministic() -> None:
     a = model.generate(idx, max_new_tokens=5, temperature=0.0)
     b = model.generate(idx, max_new_tokens=5, temperature=0.0)
     assert torch.equal(a, b)
+    with torch.no_grad():  # greedy: each new token is its context's most likely one
+        for t in range(3, 8):
+            assert int(a[0, t]) == int(model(a[:, :t])[0, -1].argmax())
 
 
 @pytest.mark.parametrize(
@@ -153,7 +192,10 @@ def test_workloads_are_seeded(name: str) -> None:
     assert not torch.equal(x0, x1) and not torch.equal(x0, x2)
     loss = wl.loss(a(x0), y0)
     assert loss.dim() == 0 and torch.isfinite(loss)
-    assert len(wl.blocks(a)) == (96 if name == "tiny" else 8)
+    blocks = wl.blocks(a)
+    # every repeated unit, each once: tiny's depth, GPT's layers
+    assert len({id(b) for b in blocks}) == len(blocks) == (a.depth if isinstance(a, TinyMLP) else a.config.n_layer)
+    assert all(isinstance(b, TinyBlock if name == "tiny" else Block) for b in blocks)
 
 
 def test_workload_seeding_leaves_global_rng_alone() -> None:
@@ -165,9 +207,9 @@ def test_workload_seeding_leaves_global_rng_alone() -> None:
 
 
 def test_gpt_workload_targets_are_shifted_inputs() -> None:
-    wl = GPTWorkload()
+    wl = GPTWorkload(config=SMALL, batch_size=3)
     x, y = wl.batch(rank=0, step=0)
-    assert x.shape == y.shape == (4, 64)
+    assert x.shape == y.shape == (3, SMALL.seq_len)
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
@@ -178,19 +220,24 @@ def test_make_workload_rejects_unknown_names() -> None:
 
 def test_llama_workload_builds_the_hf_model_seeded() -> None:
     pytest.importorskip("transformers")
-    from z3kit_recipes.models import LlamaWorkload
+    from z3kit_recipes.models import LLAMA_CONFIG, LlamaWorkload
 
     wl = make_workload("llama")
     assert isinstance(wl, LlamaWorkload) and isinstance(wl, Workload)
     a, b = wl.build_model(), wl.build_model()
     assert type(a).__name__ == "LlamaForCausalLM"
-    assert sum(p.numel() for p in a.parameters()) == 75_510_528  # 288 MiB in fp32
+    # counted from the config: untied embeddings, grouped-query attention, gated MLP, RMSNorms
+    c = LLAMA_CONFIG
+    h, kv = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    layer = (2 * h * h + 2 * h * kv) + 3 * h * c["intermediate_size"] + 2 * h
+    assert sum(p.numel() for p in a.parameters()) == 2 * c["vocab_size"] * h + c["num_hidden_layers"] * layer + h
+    assert sum(p.numel() for p in a.parameters()) == 75_510_528  # as LLAMA_CONFIG's comment and the README say
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     del b
-    assert len(wl.blocks(a)) == 8
+    assert wl.blocks(a) == list(a.model.layers) and len(wl.blocks(a)) == c["num_hidden_layers"]
     x, y = wl.batch(rank=0, step=0)
-    assert x.shape == y.shape == (4, 64)
+    assert x.shape == y.shape == (wl.batch_size, wl.seq_len)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert not torch.equal(x, wl.batch(rank=1, step=0)[0])
     with torch.no_grad():

@@ -69,17 +69,19 @@ def test_high_water_tracks_peak_and_resets_to_live() -> None:
 # -- bad input ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field", ["max_live_parameters", "prefetch_bucket_size", "max_inflight"])
+@pytest.mark.parametrize(
+    ("field", "least"), [("max_live_parameters", 0), ("prefetch_bucket_size", 0), ("max_inflight", 1)]
+)
 @pytest.mark.parametrize(
     ("value", "exc", "match"),
     [
-        (-1, ValueError, "must be >= 0, got -1"),
+        (-1, ValueError, "must be >= {least}, got -1"),
         (True, TypeError, "must be an int, got bool"),
         (2.0, TypeError, "must be an int, got float"),
     ],
 )
-def test_rejects_bad_config(field: str, value: object, exc: type[Exception], match: str) -> None:
-    with pytest.raises(exc, match=f"{field} {match}"):
+def test_rejects_bad_config(field: str, least: int, value: object, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=f"PrefetchLimiter.{field} {match.format(least=least)}"):
         PrefetchLimiter(**{field: value})  # type: ignore[arg-type]
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePolicy
-from z3kit.trace import TraceRecorder, TraceState, TraceStep
+from z3kit.trace import TraceFetch, TraceRecorder, TraceState
 
 from tests.test_trace import bf_reuse_distance, fetch_lists, recorded
 
@@ -27,10 +27,10 @@ def tied_trace() -> TraceRecorder:
     """Embedding E used at fetch 0 and again at fetch 3 (tied lm_head)."""
     return recorded(
         [
-            TraceStep(0, (E,), (100,)),
-            TraceStep(1, (A,), (10,)),
-            TraceStep(2, (B,), (20,)),
-            TraceStep(3, (E, C), (100, 5)),
+            TraceFetch(0, (E,), (100,)),
+            TraceFetch(1, (A,), (10,)),
+            TraceFetch(2, (B,), (20,)),
+            TraceFetch(3, (E, C), (100, 5)),
         ]
     )
 
@@ -98,7 +98,7 @@ def test_stock_keeps_tied_weight_within_window() -> None:
     trace = tied_trace()
     p = StockReleasePolicy(max_reuse_distance=31, param_persistence_threshold=0)
     assert p.to_release(0, [(E, 100)], trace, live_numel=100) == []
-    # At the last fetch E is not used again in the step: release.
+    # At the last fetch E is not used again in the training step: release.
     assert p.to_release(3, [(E, 100), (C, 5)], trace, live_numel=105) == [E, C]
 
 
@@ -113,14 +113,14 @@ def test_stock_reuse_window_is_strict() -> None:
 def test_stock_zero_reuse_distance_keeps_nothing_for_reuse() -> None:
     # As in DeepSpeed, 0 turns reuse-keeping off, even for a parameter used
     # by the very next fetch (distance 0).
-    trace = recorded([TraceStep(0, (A,), (10,)), TraceStep(1, (A,), (10,))])
+    trace = recorded([TraceFetch(0, (A,), (10,)), TraceFetch(1, (A,), (10,))])
     assert trace.reuse_distance(A, 0) == 0
     p = StockReleasePolicy(max_reuse_distance=0, param_persistence_threshold=0)
     assert p.to_release(0, [(A, 10)], trace, live_numel=10) == [A]
     assert StockReleasePolicy(max_reuse_distance=1, param_persistence_threshold=0).to_release(0, [(A, 10)], trace, 10) == []
 
 
-def test_stock_step_minus_one_reads_the_whole_trace_ahead() -> None:
+def test_stock_fetch_minus_one_reads_the_whole_trace_ahead() -> None:
     # A caller with no fetch index for the module passes -1: E's first use
     # (fetch 0) is 0 elements away, B's (fetch 2) 110.
     p = StockReleasePolicy(max_reuse_distance=100, param_persistence_threshold=0)
@@ -136,7 +136,7 @@ def test_stock_never_releases_persistent_parameters() -> None:
 def test_stock_live_bound_ignores_parameter_order() -> None:
     # A is reused at the next fetch, B never: releasing B alone brings the
     # live total to 10 <= 15, so A stays, whichever comes first.
-    trace = recorded([TraceStep(0, (A, B), (10, 10)), TraceStep(1, (A,), (10,))])
+    trace = recorded([TraceFetch(0, (A, B), (10, 10)), TraceFetch(1, (A,), (10,))])
     p = StockReleasePolicy(max_reuse_distance=100, param_persistence_threshold=0, max_live_parameters=15)
     assert p.to_release(0, [(A, 10), (B, 10)], trace, live_numel=20) == [B]
     assert p.to_release(0, [(B, 10), (A, 10)], trace, live_numel=20) == [B]
@@ -160,7 +160,7 @@ def test_stock_live_bound_ignores_parameter_order() -> None:
     extra_live=st.integers(0, 200),
 )
 def test_stock_policy_against_brute_force(
-    fetches: list[TraceStep],
+    fetches: list[TraceFetch],
     data: st.DataObject,
     window: int,
     threshold: int,
@@ -168,20 +168,20 @@ def test_stock_policy_against_brute_force(
     extra_live: int,
 ) -> None:
     trace = recorded(fetches)
-    step = data.draw(st.integers(0, len(fetches) - 1))
-    params = list(zip(fetches[step].param_ids, fetches[step].numels))
+    fetch = data.draw(st.integers(0, len(fetches) - 1))
+    params = list(zip(fetches[fetch].param_ids, fetches[fetch].numels))
     params = data.draw(st.permutations(params))
     live = sum(n for _, n in params) + extra_live
     p = StockReleasePolicy(max_reuse_distance=window, param_persistence_threshold=threshold, max_live_parameters=max_live)
 
-    released = p.to_release(step, params, trace, live)
+    released = p.to_release(fetch, params, trace, live)
 
     candidates = [(pid, n) for pid, n in params if n >= threshold]
     # Only non-persistent candidates, each once, in the order given.
     assert released == [pid for pid, _ in candidates if pid in released]
 
     def reused(pid: int) -> bool:
-        d = bf_reuse_distance(fetches, pid, step)
+        d = bf_reuse_distance(fetches, pid, fetch)
         return d is not None and d < window
 
     eligible = [(pid, n) for pid, n in candidates if reused(pid)]
@@ -203,15 +203,15 @@ def test_stock_policy_against_brute_force(
 
 @FAST
 @given(fetches=fetch_lists(min_size=2), data=st.data(), max_live=st.integers(0, 300))
-def test_stock_policy_keeps_within_live_bound(fetches: list[TraceStep], data: st.DataObject, max_live: int) -> None:
+def test_stock_policy_keeps_within_live_bound(fetches: list[TraceFetch], data: st.DataObject, max_live: int) -> None:
     # The headline property alone: if anything is kept for reuse, the live
     # total after the release is within max_live_parameters.
     trace = recorded(fetches)
-    step = data.draw(st.integers(0, len(fetches) - 1))
-    params = list(zip(fetches[step].param_ids, fetches[step].numels))
+    fetch = data.draw(st.integers(0, len(fetches) - 1))
+    params = list(zip(fetches[fetch].param_ids, fetches[fetch].numels))
     live = sum(n for _, n in params) + data.draw(st.integers(0, 200))
     p = StockReleasePolicy(max_reuse_distance=10**9, param_persistence_threshold=0, max_live_parameters=max_live)
-    released = p.to_release(step, params, trace, live)
+    released = p.to_release(fetch, params, trace, live)
     kept = [pid for pid, _ in params if pid not in released]
     if kept:
         assert live - sum(n for pid, n in params if pid in released) <= max_live
@@ -222,7 +222,7 @@ def test_stock_policy_keeps_within_live_bound(fetches: list[TraceStep], data: st
 
 @settings(max_examples=50, deadline=None)
 @given(fetches=fetch_lists(min_size=2), numel=st.integers(0, 10**12))
-def test_immediate_releases_everything(fetches: list[TraceStep], numel: int) -> None:
+def test_immediate_releases_everything(fetches: list[TraceFetch], numel: int) -> None:
     p = ImmediateReleasePolicy()
     assert not p.is_persistent(numel)
     params = list(zip(fetches[0].param_ids, fetches[0].numels))
@@ -235,10 +235,10 @@ def test_immediate_releases_everything(fetches: list[TraceStep], numel: int) -> 
 
 
 @pytest.mark.parametrize(
-    ("step", "params", "live", "exc", "match"),
+    ("fetch", "params", "live", "exc", "match"),
     [
-        (-2, [(A, 1)], 1, ValueError, "step must be >= -1, got -2"),
-        (True, [(A, 1)], 1, TypeError, "step must be an int, got bool"),
+        (-2, [(A, 1)], 1, ValueError, "fetch must be >= -1, got -2"),
+        (True, [(A, 1)], 1, TypeError, "fetch must be an int, got bool"),
         (0, [(A, -1)], 1, ValueError, "parameter numels must be >= 0, got -1"),
         (0, [(A, True)], 1, TypeError, "parameter numels must be ints, got bool"),
         (0, [(A, 1.0)], 1, TypeError, "parameter numels must be ints, got float"),
@@ -248,8 +248,8 @@ def test_immediate_releases_everything(fetches: list[TraceStep], numel: int) -> 
     ],
 )
 def test_stock_to_release_rejects_bad_input(
-    step: object, params: Sequence[tuple[object, object]], live: object, exc: type[Exception], match: str
+    fetch: object, params: Sequence[tuple[object, object]], live: object, exc: type[Exception], match: str
 ) -> None:
     p = StockReleasePolicy(param_persistence_threshold=0)
     with pytest.raises(exc, match=match):
-        p.to_release(step, params, tied_trace(), live)  # type: ignore[arg-type]
+        p.to_release(fetch, params, tied_trace(), live)  # type: ignore[arg-type]

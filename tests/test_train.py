@@ -25,6 +25,7 @@ from z3kit_recipes.train.corpus import SKIPPED_DIRS
 from z3kit_recipes.train.memory import KINDS, MemoryFigures, RankMemory, Replica, peak_rss_bytes
 from z3kit_recipes.train.render import render_memory
 from z3kit_recipes.models import GPT, GPTConfig
+from z3kit_recipes.zero3.auto import auto_sizes, block_numel
 from z3kit_recipes.zero3.config import Zero3Config
 
 SMALL_CORPUS = 200_000
@@ -64,7 +65,9 @@ def test_vocab_round_trip() -> None:
     assert list(vocab.chars) == sorted(set(text))
     ids = vocab.encode(text)
     assert ids.dtype == torch.int64 and ids.numel() == len(text)
-    assert int(ids.min()) >= 0 and int(ids.max()) < len(vocab)
+    # ids are places in the sorted alphabet of the text, every one of them used
+    assert int(ids.min()) == 0 and int(ids.max()) == len(vocab) - 1
+    assert ids[:500].tolist() == [vocab.chars.index(c) for c in text[:500]]
     assert vocab.decode(ids) == text
     with pytest.raises(ValueError, match="not in the vocabulary"):
         vocab.encode("\u2603")
@@ -107,11 +110,15 @@ def _write(tmp_path: Path, name: str, obj: object) -> Path:
 
 
 def test_auto_sizes_fit_the_model() -> None:
-    auto = train.auto_sizes(MODEL)
-    model = GPT(MODEL)
-    assert train.block_numel(MODEL.width) == sum(p.numel() for p in model.blocks[0].parameters())
-    assert auto["param_persistence_threshold"] == 10 * MODEL.width
-    assert auto["max_live_parameters"] == 2 * auto["prefetch_bucket_size"]
+    auto = auto_sizes(MODEL.width)
+    block = GPT(MODEL).blocks[0]
+    assert block_numel(MODEL.width) == sum(p.numel() for p in block.parameters())
+    # biases and LayerNorms persist; no weight matrix does
+    persistent = {n for n, p in block.named_parameters() if p.numel() < auto["param_persistence_threshold"]}
+    assert persistent == {n for n, p in block.named_parameters() if p.dim() == 1}
+    # one block is one prefetch and one gradient bucket; two blocks may be live at once
+    assert auto["prefetch_bucket_size"] == auto["reduce_bucket_size"] == block_numel(MODEL.width)
+    assert auto["max_live_parameters"] == 2 * block_numel(MODEL.width)
     assert attrs.asdict(train.load_config(None, MODEL)) == {**attrs.asdict(Zero3Config()), **auto}
 
 
@@ -129,7 +136,9 @@ def test_deepspeed_config_with_auto_sizes(tmp_path: Path) -> None:
         },
     }
     config = train.load_config(_write(tmp_path, "ds.json", ds), MODEL)
-    auto = train.auto_sizes(MODEL)
+    # the main job and the library fill "auto" alike
+    assert config == Zero3Config.from_deepspeed(ds, hidden_size=MODEL.width)
+    auto = auto_sizes(MODEL.width)
     assert config.prefetch_bucket_size == auto["prefetch_bucket_size"]
     assert config.param_persistence_threshold == auto["param_persistence_threshold"]
     assert config.reduce_bucket_size == 50_000
@@ -139,6 +148,18 @@ def test_deepspeed_config_with_auto_sizes(tmp_path: Path) -> None:
     assert config.max_live_parameters == Zero3Config().max_live_parameters
     # --dtype overrides the file
     assert train.load_config(_write(tmp_path, "ds.json", ds), MODEL, "fp32").compute_dtype == "fp32"
+
+
+def test_z3kit_config_auto_sizes_match_the_deepspeed_ones(tmp_path: Path) -> None:
+    z3 = {"prefetch_bucket_size": "auto", "max_live_parameters": "auto", "reduce_bucket_size": 4096}
+    ds = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                "stage3_max_live_parameters": "auto", "reduce_bucket_size": 4096}}
+    from_z3 = train.load_config(_write(tmp_path, "z.json", z3), MODEL)
+    assert from_z3 == train.load_config(_write(tmp_path, "ds.json", ds), MODEL)
+    assert from_z3 == Zero3Config.from_deepspeed(ds, hidden_size=MODEL.width)
+    assert from_z3.max_live_parameters == auto_sizes(MODEL.width)["max_live_parameters"]
+    assert from_z3.reduce_bucket_size == 4096
+    assert from_z3.max_reuse_distance == Zero3Config().max_reuse_distance  # left out: the default
 
 
 def test_z3kit_config(tmp_path: Path) -> None:
@@ -159,6 +180,9 @@ def test_z3kit_config(tmp_path: Path) -> None:
         ({"zero_optimization": {"stage": 3, "offload_param": {}}}, ValueError, "offload_param"),
         ({"zero_optimization": {"stage": 2}}, ValueError, "stage 3"),
         ([1, 2], TypeError, "JSON object"),
+        ({"gradient_clipping": "auto"}, ValueError, '"auto" for gradient_clipping'),
+        ({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": "auto"}, ValueError,
+         '"auto" for gradient_accumulation_steps'),
     ],
 )
 def test_bad_configs_are_rejected(tmp_path: Path, obj: object, error: type[Exception], match: str) -> None:

@@ -31,6 +31,7 @@ from tests.zero3_models import (
 )
 from z3kit.hooks import in_backward
 from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3 import Zero3Config
 
@@ -257,7 +258,7 @@ class KeepUntilBackward:
     def is_persistent(self, numel: int) -> bool:
         return False
 
-    def to_release(self, step: int, params: Sequence[tuple[int, int]], trace: TraceRecorder, live_numel: int) -> list[int]:
+    def to_release(self, fetch: int, params: Sequence[tuple[int, int]], trace: TraceRecorder, live_numel: int) -> list[int]:
         self.calls += 1
         return [pid for pid, _ in params] if in_backward() else []
 
@@ -265,10 +266,10 @@ class KeepUntilBackward:
 class CountingTrace(TraceRecorder):
     def __init__(self) -> None:
         super().__init__()
-        self.fetches = 0
+        self.fetch_calls = 0
 
     def on_fetch(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
-        self.fetches += 1
+        self.fetch_calls += 1
         return super().on_fetch(module_id, param_ids, numels)
 
 
@@ -297,7 +298,7 @@ def run_custom_policies(ctx: Any, which: str, config: dict[str, Any]) -> dict[st
         "pair": finish(engine, ref, res),
         "after_forward": after_forward,
         "gathers": gathers,
-        "trace_fetches": kwargs["trace"].fetches,
+        "trace_fetches": kwargs["trace"].fetch_calls,
         "budget_asked": getattr(kwargs.get("prefetch_limiter"), "asked", None),
         "policy_calls": getattr(kwargs.get("release_policy"), "calls", None),
         "model_numel": engine.stats().model_numel,
@@ -447,7 +448,7 @@ def test_eval_and_no_grad_forwards_between_steps(pools: Any, mode: str) -> None:
     _check_eval(pools.run(2, run_eval_forwards, mode))
 
 
-def test_eval_forward_with_grad_enabled_leaves_nothing_gathered(pools: Any) -> None:
+def test_eval_forward_with_grad_enabled_leaves_only_persistent_parameters_gathered(pools: Any) -> None:
     _check_eval(pools.run(2, run_eval_forwards, "eval_with_grad"))
 
 
@@ -507,7 +508,7 @@ DEEPSPEED = {
 
 
 def test_from_deepspeed_maps_keys() -> None:
-    c = Zero3Config.from_deepspeed(DEEPSPEED)
+    c = Zero3Config.from_deepspeed(DEEPSPEED, hidden_size=64)
     assert c.gradient_accumulation_steps == 8
     assert c.gradient_clipping == 1.0
     assert c.compute_dtype == "bf16"
@@ -516,16 +517,68 @@ def test_from_deepspeed_maps_keys() -> None:
     assert c.prefetch_bucket_size == 50_000_000 and isinstance(c.prefetch_bucket_size, int)
     assert c.max_live_parameters == 1_000_000_000
     assert c.max_reuse_distance == 1000
-    assert c.param_persistence_threshold == Zero3Config().param_persistence_threshold  # "auto": the default
+    assert c.param_persistence_threshold == 640  # "auto": from the model, 10 * hidden_size
     assert Zero3Config.from_deepspeed({"bf16": {"enabled": False}}).compute_dtype == "fp32"
     assert Zero3Config.from_deepspeed({}) == Zero3Config()
+
+
+def test_primitive_defaults_agree_with_zero3config() -> None:
+    # The same DeepSpeed knob has the same default whichever entry point a user starts from.
+    c, policy, limiter = Zero3Config(), StockReleasePolicy(), PrefetchLimiter()
+    assert (policy.max_reuse_distance, policy.param_persistence_threshold, policy.max_live_parameters) == (
+        c.max_reuse_distance, c.param_persistence_threshold, c.max_live_parameters)
+    assert (limiter.max_live_parameters, limiter.prefetch_bucket_size, limiter.max_inflight) == (
+        c.max_live_parameters, c.prefetch_bucket_size, c.max_inflight_gathers)
+
+
+def test_gradient_clipping_is_off_unless_set() -> None:
+    # The one default that differs from DeepSpeed's (1.0), as README and
+    # Zero3Config's docstring say: a config that leaves it out does not clip.
+    assert Zero3Config().gradient_clipping == 0.0
+    assert Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3}}).gradient_clipping == 0.0
 
 
 def test_from_deepspeed_reads_a_json_file(tmp_path: Any) -> None:
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(DEEPSPEED))
-    assert Zero3Config.from_deepspeed(path) == Zero3Config.from_deepspeed(DEEPSPEED)
-    assert Zero3Config.from_deepspeed(str(path)) == Zero3Config.from_deepspeed(DEEPSPEED)
+    from_dict = Zero3Config.from_deepspeed(DEEPSPEED, hidden_size=64)
+    assert Zero3Config.from_deepspeed(path, hidden_size=64) == from_dict
+    assert Zero3Config.from_deepspeed(str(path), hidden_size=64) == from_dict
+
+
+def test_from_deepspeed_fills_auto_sizes_from_the_model_only() -> None:
+    sizes = ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "reduce_bucket_size",
+             "stage3_max_reuse_distance", "stage3_max_live_parameters")
+    ds = {"train_batch_size": "auto", "zero_optimization": {"stage": 3, **dict.fromkeys(sizes, "auto")}}
+    # a block of width 8: 12 * 8 * 8 + 13 * 8 = 872 elements
+    c = Zero3Config.from_deepspeed(ds, hidden_size=8)
+    assert (c.param_persistence_threshold, c.prefetch_bucket_size, c.reduce_bucket_size,
+            c.max_reuse_distance, c.max_live_parameters) == (80, 872, 872, 872, 1744)
+    assert Zero3Config.from_deepspeed(ds, hidden_size=16).prefetch_bucket_size == 12 * 16 * 16 + 13 * 16
+    # without the model there is no value for "auto": refused, every key named, the way out said
+    with pytest.raises(ValueError, match="hidden_size") as info:
+        Zero3Config.from_deepspeed(ds)
+    assert all(f"zero_optimization.{key}" in str(info.value) for key in sizes)
+    # a written number is taken as written, with or without the model
+    fixed = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+    assert Zero3Config.from_deepspeed(fixed, hidden_size=8).reduce_bucket_size == 1000
+    assert Zero3Config.from_deepspeed(fixed).reduce_bucket_size == 1000
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"gradient_accumulation_steps": "auto"}, "gradient_accumulation_steps"),
+        ({"gradient_clipping": "auto"}, "gradient_clipping"),
+        ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),
+        ({"zero_optimization": {"stage": 3, "overlap_comm": "auto"}}, "zero_optimization.overlap_comm"),
+    ],
+)
+def test_from_deepspeed_refuses_auto_that_the_model_cannot_give(config: dict[str, Any], named: str) -> None:
+    # "auto" has one meaning (a value from the model): nothing in the model sets these
+    for hidden_size in (None, 64):
+        with pytest.raises(ValueError, match=f'"auto" for {named}: z3kit fills "auto" only for the size knobs'):
+            Zero3Config.from_deepspeed(config, hidden_size=hidden_size)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, "3"])

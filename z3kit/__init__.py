@@ -14,7 +14,7 @@ from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePol
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards, partition_of, shard_numel_for
 from z3kit.stream_check import RecordingStreamPair, StreamOrderChecker, StreamOrderError
 from z3kit.streams import CommTicket, StreamPair, StreamPairLike, SyncStreamPair, stream_pair_for
-from z3kit.trace import TraceRecorder, TraceState, TraceStep
+from z3kit.trace import TraceFetch, TraceRecorder, TraceState
 
 __all__ = [
     "BucketFlush",
@@ -42,9 +42,9 @@ __all__ = [
     "StreamPair",
     "StreamPairLike",
     "SyncStreamPair",
+    "TraceFetch",
     "TraceRecorder",
     "TraceState",
-    "TraceStep",
     "accelerator_type",
     "all_gather",
     "all_reduce",

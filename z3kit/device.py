@@ -15,6 +15,8 @@ import os
 import attrs
 import torch
 
+from z3kit.validate import check_int
+
 #: process-group backend for each device type.
 BACKEND_FOR_DEVICE_TYPE: dict[str, str] = {
     "cuda": "nccl",
@@ -105,10 +107,7 @@ def resolve_device(local_rank: int | None = None, prefer: str | None = None) -> 
             local_rank = int(raw)
         except ValueError:
             raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
-    if not isinstance(local_rank, int) or isinstance(local_rank, bool):
-        raise TypeError(f"local_rank must be an int, got {type(local_rank).__name__}")
-    if local_rank < 0:
-        raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+    local_rank = check_int("local_rank", local_rank, at_least=0)
     device_type = prefer or accelerator_type()
     if device_type == "cpu":
         return DeviceInfo(torch.device("cpu"), "gloo")

@@ -27,6 +27,7 @@ import torch
 from z3kit.collectives import Blocker, CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
 from z3kit.streams import CommTicket, StreamPairLike, SyncStreamPair
 from z3kit.shard import shard_numel_for
+from z3kit.validate import check_int
 
 
 class ReduceMode(enum.Enum):
@@ -85,8 +86,7 @@ class FlatBucket:
         device: torch.device | str = "cpu",
         mode: ReduceMode = ReduceMode.ALL_REDUCE,
     ) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool):
-            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        check_int("capacity", capacity)
         if not isinstance(mode, ReduceMode):
             raise TypeError(f"mode must be a ReduceMode, got {mode!r}")
         if world < 1 or not 0 <= rank < world:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from z3kit.validate import check_int, check_ints
+
 
 class GradPartitionBuffer:
     """Flat per-rank gradient partitions, one view per parameter."""
@@ -27,9 +29,7 @@ class GradPartitionBuffer:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        partition_numels = list(partition_numels)  # a generator would be used up by the check
-        if any((not isinstance(n, int)) or isinstance(n, bool) or n < 1 for n in partition_numels):
-            raise ValueError(f"partition sizes must be positive ints, got {partition_numels}")
+        partition_numels = check_ints("partition sizes", partition_numels, at_least=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"accumulation dtype must be floating point, got {dtype}")
         # empty, not zeros: a view is written (copy_) before it is first read, and
@@ -65,8 +65,7 @@ class GradPartitionBuffer:
 
     def _check_index(self, index: int) -> None:
         # a negative index would silently pick a partition from the end
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise TypeError(f"partition index must be an int, got {type(index).__name__}")
+        check_int("partition index", index)
         if not 0 <= index < len(self.views):
             raise ValueError(f"partition index {index} out of range [0, {len(self.views)})")
 

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch
 
+from z3kit.validate import check_int
+
 
 class MemoryKind(enum.Enum):
     """What a counted buffer holds."""
@@ -75,19 +77,19 @@ class MemoryLedger:
 
     def allocate(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` more of ``kind`` are held."""
-        _check_bytes(nbytes)
+        check_int("nbytes", nbytes, at_least=0)
         self._set(kind, self._current[kind] + nbytes)
 
     def free(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` of ``kind`` were let go."""
-        _check_bytes(nbytes)
+        check_int("nbytes", nbytes, at_least=0)
         if nbytes > self._current[kind]:
             raise ValueError(f"cannot free {nbytes} bytes of {kind.value}: only {self._current[kind]} are held")
         self._set(kind, self._current[kind] - nbytes)
 
     def set(self, kind: MemoryKind, nbytes: int) -> None:
         """``kind`` now holds exactly ``nbytes`` (for buffers measured rather than tracked)."""
-        _check_bytes(nbytes)
+        check_int("nbytes", nbytes, at_least=0)
         self._set(kind, nbytes)
 
     def _set(self, kind: MemoryKind, nbytes: int) -> None:
@@ -111,13 +113,6 @@ class MemoryLedger:
             peak_total=self._peak_total,
             device_peak=device_peak,
         )
-
-
-def _check_bytes(nbytes: object) -> None:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"byte counts are ints, got {type(nbytes).__name__}")
-    if nbytes < 0:
-        raise ValueError(f"byte counts are >= 0, got {nbytes}")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -13,31 +13,16 @@ from __future__ import annotations
 
 import attrs
 
-from z3kit.release import _nonnegative
-
-
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    _nonnegative(_, attribute, value)
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
-
-
-def _check_numel(numel: object) -> None:
-    # A float or a bool would silently turn the integer counters into
-    # something else; refuse it at the door.
-    if isinstance(numel, bool) or not isinstance(numel, int):
-        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
+from z3kit.validate import check_int, int_validator
 
 
 @attrs.define
 class PrefetchLimiter:
     """Budget for prefetching under the three limits."""
 
-    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_nonnegative)
-    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=_nonnegative)
-    max_inflight: int = attrs.field(default=2, validator=_positive)
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=int_validator(at_least=0))
+    max_inflight: int = attrs.field(default=2, validator=int_validator(at_least=1))
     live_numel: int = attrs.field(default=0, init=False)
     inflight: int = attrs.field(default=0, init=False)
     high_water: int = attrs.field(default=0, init=False)
@@ -50,7 +35,9 @@ class PrefetchLimiter:
 
     def on_gather(self, numel: int) -> None:
         """A gather of ``numel`` elements was issued (demand or prefetch)."""
-        _check_numel(numel)
+        # A float or a bool would silently turn the integer counters into
+        # something else; refuse it at the door.
+        check_int("numel", numel, at_least=0)
         self.live_numel += numel
         self.inflight += 1
         self.high_water = max(self.high_water, self.live_numel)
@@ -63,7 +50,7 @@ class PrefetchLimiter:
 
     def on_release(self, numel: int) -> None:
         """``numel`` gathered elements were released."""
-        _check_numel(numel)
+        check_int("numel", numel, at_least=0)
         if numel > self.live_numel:
             raise ValueError(f"cannot release {numel} elements with {self.live_numel} live")
         self.live_numel -= numel

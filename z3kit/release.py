@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from z3kit.trace import TraceRecorder, TraceState
+from z3kit.validate import check_int, check_ints, int_validator
 
 
 @runtime_checkable
@@ -24,23 +25,16 @@ class ReleasePolicy(Protocol):
 
     def to_release(
         self,
-        step: int,
+        fetch: int,
         params: Sequence[tuple[int, int]],
         trace: TraceRecorder,
         live_numel: int,
     ) -> list[int]:
         """Ids among ``params`` ((id, numel) of the exiting module's gathered,
-        non-persistent parameters) to release now. ``step`` is the exiting
-        module's fetch index in the trace (-1: before the first fetch);
+        non-persistent parameters) to release now. ``fetch`` is the index in
+        the trace of the exiting module's fetch (-1: before the first fetch);
         ``live_numel`` the gathered elements, these parameters included."""
         ...
-
-
-def _nonnegative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
 @attrs.frozen
@@ -52,21 +46,21 @@ class StockReleasePolicy:
     never release parameters smaller than ``param_persistence_threshold``.
     Without a complete trace, release all non-persistent ones."""
 
-    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_nonnegative)
-    param_persistence_threshold: int = attrs.field(default=100_000, validator=_nonnegative)
-    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_nonnegative)
+    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    param_persistence_threshold: int = attrs.field(default=100_000, validator=int_validator(at_least=0))
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
 
     def is_persistent(self, numel: int) -> bool:
         return numel < self.param_persistence_threshold
 
     def to_release(
         self,
-        step: int,
+        fetch: int,
         params: Sequence[tuple[int, int]],
         trace: TraceRecorder,
         live_numel: int,
     ) -> list[int]:
-        _check_release_args(step, params, live_numel)
+        _check_release_args(fetch, params, live_numel)
         # Persistent parameters stay gathered for the whole run; the caller
         # should not pass them, but if it does they must not be freed here.
         candidates = [(pid, numel) for pid, numel in params if not self.is_persistent(numel)]
@@ -79,7 +73,7 @@ class StockReleasePolicy:
         release: set[int] = set()
         reused: list[tuple[int, int]] = []
         for pid, numel in candidates:
-            distance = trace.reuse_distance(pid, step)
+            distance = trace.reuse_distance(pid, fetch)
             if distance is not None and distance < self.max_reuse_distance:
                 reused.append((pid, numel))
             else:
@@ -97,28 +91,17 @@ class StockReleasePolicy:
         return [pid for pid, _ in candidates if pid in release]
 
 
-def _check_release_args(step: object, params: Sequence[tuple[object, object]], live_numel: object) -> None:
+def _check_release_args(fetch: object, params: Sequence[tuple[object, object]], live_numel: object) -> None:
     """Reject inputs that would make the live-bound arithmetic meaningless."""
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
     # -1 is "before the first fetch" (TraceRecorder.reuse_distance): what a
     # caller that has no fetch index for the module passes.
-    if step < -1:
-        raise ValueError(f"step must be >= -1, got {step}")
-    if isinstance(live_numel, bool) or not isinstance(live_numel, int):
-        raise TypeError(f"live_numel must be an int, got {type(live_numel).__name__}")
-    total = 0
-    for pid, numel in params:
-        if isinstance(pid, bool) or not isinstance(pid, int):
-            raise TypeError(f"parameter ids must be ints, got {type(pid).__name__}")
-        if isinstance(numel, bool) or not isinstance(numel, int):
-            raise TypeError(f"parameter numels must be ints, got {type(numel).__name__}")
-        if numel < 0:
-            raise ValueError(f"parameter numels must be >= 0, got {numel}")
-        total += numel
+    check_int("fetch", fetch, at_least=-1)
+    live = check_int("live_numel", live_numel)
+    check_ints("parameter ids", (pid for pid, _ in params))
+    total = sum(check_ints("parameter numels", (numel for _, numel in params), at_least=0))
     # The exiting module's parameters are gathered, so they are part of the
     # live total; less than them means the caller counts live elements wrong.
-    if live_numel < total:
+    if live < total:
         raise ValueError(f"live_numel {live_numel} is less than the {total} elements of params")
 
 
@@ -131,7 +114,7 @@ class ImmediateReleasePolicy:
 
     def to_release(
         self,
-        step: int,
+        fetch: int,
         params: Sequence[tuple[int, int]],
         trace: TraceRecorder,
         live_numel: int,

@@ -24,8 +24,9 @@ that talk over gloo on a free loopback port.
 Training goes through ``z3kit_recipes.zero3.initialize`` with the stock
 policies and AdamW on the fp32 master shards (linear warm-up, cosine decay
 to a tenth of ``--lr``). Without ``--config`` the runtime's size knobs are
-scaled to the model (see :func:`auto_sizes`); ``--config`` takes a DeepSpeed
-JSON or a z3kit JSON (see :mod:`z3kit_recipes.train.config`).
+scaled to the model (``"auto"``, see :mod:`z3kit_recipes.zero3.auto`);
+``--config`` takes a DeepSpeed JSON or a z3kit JSON (see
+:mod:`z3kit_recipes.train.config`).
 
 Rank 0 shows a progress bar (loss, steps/s, tokens/s) and at the end prints
 a summary: loss at the start and end; per rank, the engine's memory by kind
@@ -90,8 +91,6 @@ from z3kit_recipes.train.cli import (  # noqa: E402
 )
 from z3kit_recipes.train.config import (  # noqa: E402
     MODEL_SIZES,
-    auto_sizes,
-    block_numel,
     config_from_dict,
     gpt_config,
     load_config,
@@ -120,8 +119,6 @@ __all__ = [
     "Corpus",
     "RunSpec",
     "Summary",
-    "auto_sizes",
-    "block_numel",
     "build_parser",
     "config_from_dict",
     "corpus_files",

@@ -3,7 +3,8 @@
 ``Zero3Config.from_deepspeed`` reads a DeepSpeed configuration (a dict or
 a JSON file) so that a DeepSpeed user brings their config unchanged; keys
 that z3kit does not implement are refused by name rather than silently
-ignored.
+ignored, and ``"auto"`` means what it means everywhere in z3kit: a value
+derived from the model (``z3kit_recipes.zero3.auto``).
 """
 
 from __future__ import annotations
@@ -16,34 +17,8 @@ from typing import Any
 import attrs
 import torch
 
-
-def _int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"Zero3Config.{attribute.name} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"Zero3Config.{attribute.name} must be >= {low}, got {value}")
-
-    return check
-
-
-def _bool(_: object, attribute: attrs.Attribute[bool], value: bool) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"Zero3Config.{attribute.name} must be a bool, got {type(value).__name__}")
-
-
-def _clipping(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Zero3Config.gradient_clipping must be a number, got {type(value).__name__}")
-    if not value >= 0.0 or value == float("inf"):
-        raise ValueError(f"Zero3Config.gradient_clipping must be a finite number >= 0 (0 disables), got {value}")
-
-
-def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Zero3Config.{attribute.name} must be a number of seconds, got {type(value).__name__}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"Zero3Config.{attribute.name} must be a finite number of seconds > 0, got {value}")
+from z3kit.validate import bool_validator, check_int, int_validator, is_number, number_validator
+from z3kit_recipes.zero3.auto import AUTO, resolve_auto
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,7 +39,9 @@ class Zero3Config:
     """Configuration of the stock ZeRO-3 runtime. Sizes count elements.
 
     The first nine fields carry DeepSpeed's meaning, and its default except
-    for ``gradient_clipping`` (0, off; DeepSpeed's is 1.0):
+    for ``gradient_clipping``: 0.0 here, which means no clipping, where
+    DeepSpeed's default clips the global norm at 1.0 (set 1.0 to clip as it
+    does).
     ``prefetch_bucket_size`` caps one prefetch; ``max_live_parameters``
     caps gathered elements (a running module's own fetch is never refused);
     ``max_reuse_distance`` keeps a parameter gathered at module exit when
@@ -78,31 +55,31 @@ class Zero3Config:
     global-norm limit (0 disables).
     """
 
-    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=_int_at_least(0))
-    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
-    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_int_at_least(0))
-    param_persistence_threshold: int = attrs.field(default=100_000, validator=_int_at_least(0))
-    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=_int_at_least(1))
-    overlap_comm: bool = attrs.field(default=True, validator=_bool)
-    contiguous_gradients: bool = attrs.field(default=True, validator=_bool)
-    gradient_accumulation_steps: int = attrs.field(default=1, validator=_int_at_least(1))
-    gradient_clipping: float = attrs.field(default=0.0, validator=_clipping)
+    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=int_validator(at_least=0))
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    param_persistence_threshold: int = attrs.field(default=100_000, validator=int_validator(at_least=0))
+    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=int_validator(at_least=1))
+    overlap_comm: bool = attrs.field(default=True, validator=bool_validator())
+    contiguous_gradients: bool = attrs.field(default=True, validator=bool_validator())
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=int_validator(at_least=1))
+    gradient_clipping: float = attrs.field(default=0.0, validator=number_validator(at_least=0.0))
     #: "fp32", or "bf16" (bf16 parameters, gathers and reductions; fp32 master shards and gradient partitions)
     compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
     #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
     reduce_scatter: bool | None = attrs.field(default=None)
     #: gathers in flight at once (demand fetches included)
-    max_inflight_gathers: int = attrs.field(default=2, validator=_int_at_least(1))
+    max_inflight_gathers: int = attrs.field(default=2, validator=int_validator(at_least=1))
     #: seconds a collective may wait for the other ranks before the engine gives up and
     #: names the ranks that did not answer (torch's own process-group timeout still applies)
-    collective_timeout_s: float = attrs.field(default=1800.0, validator=_positive_seconds)
+    collective_timeout_s: float = attrs.field(default=1800.0, validator=number_validator(above=0.0))
     #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
     #: each training forward, as DDP's ``broadcast_buffers=True`` does
-    broadcast_buffers: bool = attrs.field(default=True, validator=_bool)
+    broadcast_buffers: bool = attrs.field(default=True, validator=bool_validator())
     #: debugging: the ranks agree on every fetch of a training step, forward and backward,
     #: before gathering, so a divergence is named where it starts (one small collective a
     #: fetch); the environment variable ``Z3KIT_CHECK_EVERY_FETCH=1`` turns it on as well
-    check_every_fetch: bool = attrs.field(default=False, validator=_bool)
+    check_every_fetch: bool = attrs.field(default=False, validator=bool_validator())
     #: bytes per rank for gathered parameters and gradient buckets (an int), or a
     #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
@@ -113,7 +90,7 @@ class Zero3Config:
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:
         if value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(
                 f"Zero3Config.memory_budget must be bytes (an int) or a fraction of the model (a float), "
                 f"got {type(value).__name__}"
@@ -147,39 +124,55 @@ class Zero3Config:
         return self.check_every_fetch or os.environ.get(CHECK_EVERY_FETCH_ENV, "0") not in ("", "0")
 
     @classmethod
-    def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> Zero3Config:
+    def from_deepspeed(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], *, hidden_size: int | None = None
+    ) -> Zero3Config:
         """Read a DeepSpeed config dict, or the path of its JSON file.
 
         Reads ``zero_optimization`` (``stage`` must be 3; ``stage3_*`` knobs,
         ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``,
         ``reduce_scatter``), ``bf16``, ``gradient_accumulation_steps`` and
         ``gradient_clipping``. Batch sizes are accepted and ignored (they
-        belong to the data loader). ``"auto"`` means the default. Anything
-        else is refused with its name.
+        belong to the data loader). Anything else is refused with its name.
+        A knob the config leaves out keeps ``Zero3Config``'s default.
+
+        ``"auto"`` on a size knob (``stage3_param_persistence_threshold``,
+        ``stage3_prefetch_bucket_size``, ``reduce_bucket_size``,
+        ``stage3_max_reuse_distance``, ``stage3_max_live_parameters``) is
+        filled from the model's ``hidden_size`` by
+        ``z3kit_recipes.zero3.auto.auto_sizes``, as the main job's
+        ``--config`` fills it; without ``hidden_size`` it is refused. On
+        any other key ``"auto"`` is refused (write the value).
         """
+        if hidden_size is not None:
+            check_int("hidden_size", hidden_size, at_least=1)
         if isinstance(config, (str, os.PathLike)):
             with open(config, encoding="utf-8") as f:
                 config = json.load(f)
         if not isinstance(config, Mapping):
             raise TypeError(f"a DeepSpeed config is a dict or a JSON file path, got {type(config).__name__}")
         kwargs: dict[str, Any] = {}
+        #: each field's key in the DeepSpeed config, for messages about "auto"
+        spelled: dict[str, str] = {}
         unsupported: list[str] = []
 
-        def take(name: str, value: Any) -> None:
-            if value == "auto":
-                return
+        def take(name: str, key: str, value: Any) -> None:
             # JSON configs often write sizes as 5e8, which json reads as a float
             if isinstance(value, float) and value.is_integer() and name in _INT_FIELDS:
                 value = int(value)
             kwargs[name] = value
+            spelled[name] = key
 
         for key, value in config.items():
             if key in _TOP_LEVEL:
-                take(_TOP_LEVEL[key], value)
+                take(_TOP_LEVEL[key], key, value)
             elif key in _IGNORED_TOP_LEVEL:
                 continue
             elif key == "bf16":
-                if _enabled(value, "bf16"):
+                enabled = _enabled(value, "bf16")
+                if enabled == AUTO:  # refused below, with every other "auto"
+                    take("compute_dtype", "bf16.enabled", AUTO)
+                elif enabled:
                     kwargs["compute_dtype"] = "bf16"
             elif key in ("fp16", "amp") and isinstance(value, Mapping) and not value.get("enabled", False):
                 continue  # present but off: harmless
@@ -193,7 +186,7 @@ class Zero3Config:
                     if zkey == "stage":
                         continue
                     if zkey in _ZERO_KEYS:
-                        take(_ZERO_KEYS[zkey], zvalue)
+                        take(_ZERO_KEYS[zkey], f"zero_optimization.{zkey}", zvalue)
                     else:
                         unsupported.append(f"zero_optimization.{zkey}")
             else:
@@ -206,13 +199,15 @@ class Zero3Config:
                 f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. "
                 f"Remove them (the optimizer comes from initialize's factory); supported: {', '.join(supported)}"
             )
-        return cls(**kwargs)
+        return cls(**resolve_auto(kwargs, hidden_size, spelled=spelled))
 
 
-def _enabled(section: Any, name: str) -> bool:
+def _enabled(section: Any, name: str) -> bool | str:
+    """``section["enabled"]`` as a bool, or ``"auto"`` as written."""
     if not isinstance(section, Mapping):
         raise TypeError(f"{name} must be a dict like {{'enabled': true}}, got {type(section).__name__}")
-    return bool(section.get("enabled", False))
+    enabled = section.get("enabled", False)
+    return AUTO if enabled == AUTO else bool(enabled)
 
 
 #: the environment variable that turns ``check_every_fetch`` on for a run, whatever the code says

@@ -27,7 +27,7 @@ from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
-from z3kit.trace import TraceRecorder, TraceStep
+from z3kit.trace import TraceRecorder, TraceFetch
 from z3kit_recipes.zero3.agreement import StepRecord, Waiter
 from z3kit_recipes.zero3.timeline import profiled
 
@@ -62,7 +62,7 @@ class Gatherer:
         self._handles: dict[int, GatherHandle] = {}
         #: gathers left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[GatherHandle] = []
-        self._fetches: tuple[TraceStep, ...] | None = None  # the frozen trace, cached while it matches
+        self._fetches: tuple[TraceFetch, ...] | None = None  # the frozen trace, cached while it matches
         self._frontier = 0
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
@@ -138,7 +138,7 @@ class Gatherer:
     def free(self, pids: Iterable[int]) -> int:
         """Release those of ``pids`` that are gathered; returns their elements."""
         numel = nbytes = 0
-        cursor = self.trace.step
+        cursor = self.trace.cursor
         look_back = self._fetches is not None and self._frontier > cursor
         for pid in pids:
             shard = self.shards[pid]
@@ -169,10 +169,10 @@ class Gatherer:
         if budget <= 0:
             return 0
         if self._fetches is None:
-            self._fetches = self.trace.steps
+            self._fetches = self.trace.fetches
             self._frontier = 0
         fetches = self._fetches
-        i = max(self.trace.step, self._frontier)
+        i = max(self.trace.cursor, self._frontier)
         picked: list[int] = []
         seen: set[int] = set()
         total = 0

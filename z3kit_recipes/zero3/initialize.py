@@ -20,6 +20,7 @@ from z3kit.release import ReleasePolicy, StockReleasePolicy
 from z3kit.shard import shard_numel_for
 from z3kit.streams import stream_pair_for
 from z3kit.trace import TraceRecorder
+from z3kit.validate import check_int, is_int
 from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.build import MetaInit, OptimizerFactory, Policies, StreamPairFactory, assemble
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
@@ -68,7 +69,9 @@ def initialize(
     or None for an inference-only engine (an RLHF reference model, say): no
     masters, no gradient buffers, every parameter frozen; ``step`` and
     ``backward`` are refused.
-    ``config`` is a ``Zero3Config`` or a DeepSpeed config dict. ``trace``,
+    ``config`` is a ``Zero3Config`` or a DeepSpeed config dict (its
+    ``"auto"`` size knobs are filled from ``model.config.hidden_size`` where
+    the model has one, else refused; see ``Zero3Config.from_deepspeed``). ``trace``,
     ``release_policy`` and ``prefetch_limiter`` replace the stock policies
     (the config's knobs for them are then not used). Every argument is
     checked before the model is touched: a failed call changes nothing.
@@ -93,7 +96,9 @@ def initialize(
     if config is None:
         config = Zero3Config()
     elif isinstance(config, Mapping):
-        config = Zero3Config.from_deepspeed(config)
+        # "auto" size knobs come from the model's hidden size, where it says one (a Hugging Face config)
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        config = Zero3Config.from_deepspeed(config, hidden_size=hidden_size if is_int(hidden_size) else None)
     elif not isinstance(config, Zero3Config):
         raise TypeError(f"config must be a Zero3Config or a DeepSpeed config dict, got {type(config).__name__}")
     if process_group is None:
@@ -152,9 +157,7 @@ def initialize(
 def _agreed_seed(seed: int | None, group: ProcessGroup, device: torch.device) -> int:
     """``seed``, or rank 0's ``torch.initial_seed()``: the same on every rank."""
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"init_seed must be an int, got {type(seed).__name__}")
-        return seed
+        return check_int("init_seed", seed)
     value = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64, device=device)
     broadcast(value, 0, group)
     return int(value.item())

@@ -207,7 +207,7 @@ class ParamCoordinator:
             ids, numels = self._fetch_key[module]
             self.record.fetches.append((self.names[module], sum(numels)))
             matches = self.trace.on_fetch(self.module_keys[module], ids, numels)
-            self._fetch_index[module] = self.trace.step - 1
+            self._fetch_index[module] = self.trace.cursor - 1
         live_before = self.limiter.live_numel
         with profiled(f"z3kit.fetch {self.names[module]}"):
             self.gatherer.ensure_gathered(pids)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from z3kit.validate import check_int
 from z3kit_recipes.zero3.commit import commit, staging_path
 from z3kit_recipes.zero3.safetensors_io import (
     Planned,
@@ -116,8 +117,7 @@ def save_pretrained(
     Trainable parameters come from the fp32 masters, frozen ones in the
     compute dtype; ``dtype`` converts every floating-point tensor."""
     engine.check_idle("save_pretrained")
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    check_int("max_shard_bytes", max_shard_bytes, at_least=1)
     group, rank = engine.group, engine.rank
     names = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
