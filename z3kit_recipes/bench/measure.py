@@ -58,6 +58,12 @@ WORKLOAD_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "llama": ("transformers.models.llama.modeling_llama",),
 }
 
+#: modules torch.compile imports at its first compilation, by backend (``--compile``)
+COMPILE_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "inductor": ("torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"),
+    "aot_eager": ("torch._dynamo", "torch._functorch.aot_autograd"),
+}
+
 #: per-rank memory figures, bytes above the baseline
 MEMORY_PHASES: Final = ("init_peak", "resident_after_init", "train_peak", "resident_after_step")
 
@@ -66,11 +72,13 @@ def import_lazy_modules(spec: RunSpec) -> None:
     """Import what the run would import lazily, before any baseline is taken.
 
     The first ``torch.optim`` constructor alone imports torch._dynamo and
-    sympy (about 70 MiB resident); DeepSpeed and transformers add more.
+    sympy (about 70 MiB resident); DeepSpeed, transformers and, under
+    ``--compile``, torch.compile's backend add more.
     That is the cost of importing code, the same whatever the model, and
     would otherwise land in whichever phase happens to import first.
     """
-    warm_up((*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ())))
+    warm_up((*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ()),
+             *(COMPILE_MODULES.get(spec.compile_backend, COMPILE_MODULES["aot_eager"]) if spec.compile else ())))
 
 
 def warm_up(modules: Iterable[str]) -> None:
