@@ -113,6 +113,44 @@ def _mlp_loss(m: Any, b: dict[str, Any]) -> torch.Tensor:
     return F.mse_loss(m(b["x"]), b["y"])
 
 
+class _Mixer(nn.Module):
+    """Owns a weight, and also uses one it is handed (the model's input projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(7, 7) * 0.3)
+
+    def forward(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(x, self.weight) + F.linear(x, shared))
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = _Mixer()
+        self.out = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.mix(x, shared))
+        return out
+
+
+class _SharedNet(nn.Module):
+    """Every block's inner ``_Mixer`` uses the input projection's weight: a
+    parameter used outside its module, learned by the mixer's fetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 7)
+        self.blocks = nn.ModuleList(_SharedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x, self.inp.weight)
+        return x
+
+
 #: name -> (build, blocks of the built model, batch(rank, step), loss(model, batch))
 WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], nn.ModuleList], Any, Any]] = {
     # the benchmark's MLP: blocks of Linear + Tanh (a block class of its own: ``nn.Linear(...).compile()``
@@ -122,6 +160,7 @@ WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], nn.Mod
     # the root reads the token embedding's weight (F.linear): a parameter used outside its module
     "gpt_functional": (lambda: _gpt("functional"), lambda m: m.blocks, _token_batch, _token_loss),
     "hf_llama": (hf_llama, lambda m: m.model.layers, _hf_batch, _hf_loss),
+    "shared": (_SharedNet, lambda m: m.blocks, _mlp_batch, _mlp_loss),
 }
 
 
@@ -145,7 +184,7 @@ def compile_model(model: nn.Module, blocks: nn.ModuleList, how: str, backend: An
 
 def run_compiled(
     ctx: Any, workload: str, how: str, *, after_initialize: bool = False, backend: str = "counting",
-    eager_steps: tuple[int, ...] = (0,),
+    eager_steps: tuple[int, ...] = (0,), evaluate: bool = False, compile_at_step: int = 0,
 ) -> dict[str, Any]:
     from z3kit_recipes import zero3
 
@@ -161,11 +200,15 @@ def run_compiled(
     if not after_initialize:
         model = compile_model(model, blocks_of(model), how, chosen)
     engine = zero3.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-2), zero3.Zero3Config(**SHARDED), ctx.group)
-    if after_initialize:
+    if after_initialize and not compile_at_step:
         compile_model(engine.module, blocks_of(engine.module), how, chosen)
+    elif compile_at_step:
+        assert after_initialize
     losses, ref_losses, graph_calls, compile_stats = [], [], [], []
     warm = max(eager_steps) + 2  # the first compiled step after the last eager one compiles
     for step in range(warm + STEPS - 2):
+        if compile_at_step and step == compile_at_step:  # after some steps without compile
+            compile_model(engine.module, blocks_of(engine.module), how, chosen)
         b = batch(ctx.rank, step)
         stance = torch.compiler.set_stance("fail_on_recompile" if step >= warm else "default")
         with stance:
@@ -181,8 +224,19 @@ def run_compiled(
         losses.append(float(loss))
         ref_losses.append(float(ref_loss))
         compile_stats.append(engine.stats().compile)
+    evals: list[tuple[float, float]] = []
+    if evaluate:  # no_grad forwards in eval mode: the first learns eagerly, the second runs compiled
+        engine.eval()
+        ref.eval()
+        with torch.no_grad():
+            for step in range(2):
+                b = batch(ctx.rank, 100 + step)
+                evals.append((float(loss_fn(engine, b)), float(loss_fn(ref, b))))
+        engine.train()
     strip = "_orig_mod."
     return {
+        "evals": evals,
+        "eval_stats": engine.stats().compile,
         "losses": losses,
         "ref_losses": ref_losses,
         "graph_calls": graph_calls,
@@ -200,6 +254,10 @@ def check(results: list[dict[str, Any]], how: str, backend_counts: bool = True) 
         assert (got - want).abs().max().item() <= 1e-5, f"rank {rank}: losses {r['losses']} != DDP's {r['ref_losses']}"
         # Adam turns last-bit differences of near-zero gradients (reduced in another order) into more
         assert_params_match(r["params"], r["ref_params"], rtol=1e-4, atol=1e-5)
+        for got_eval, want_eval in r["evals"]:
+            assert abs(got_eval - want_eval) <= 1e-5, r["evals"]
+        if r["evals"]:
+            assert r["eval_stats"].eager_forwards == len(r["eager_steps"]) + 1
         stats = r["compile"]
         assert all(s is not None for s in stats), "engine.stats().compile is None although the model is compiled"
         eager = r["eager_steps"]
@@ -235,7 +293,8 @@ PARITY = [
 def test_compiled_parity(pools: Any, workload: str, how: str, world: int) -> None:
     # the whole Hugging Face model is many graphs: dynamo's alone (no AOTAutograd) take half the time
     backend = "counting_eager" if workload == "hf_llama" and how.startswith("whole") else "counting"
-    check(pools.run(world, run_compiled, workload, how, backend=backend, timeout=120), how)
+    evaluate = workload == "mlp"
+    check(pools.run(world, run_compiled, workload, how, backend=backend, evaluate=evaluate, timeout=120), how)
 
 
 @pytest.mark.parametrize(
@@ -254,6 +313,22 @@ def test_parameter_used_outside_its_module(pools: Any) -> None:
     The root's fetch changed, so the trace of step 0 is dropped in step 1
     and recorded again, eagerly, in step 2."""
     check(pools.run(2, run_compiled, "gpt_functional", "whole", eager_steps=(0, 2), timeout=120), "whole")
+
+
+def test_blocks_compiled_after_training_keep_what_their_modules_learned(pools: Any) -> None:
+    """Two steps without compile: each block's mixer learns that it uses the
+    input projection's weight. Then the blocks are compiled: each becomes one
+    unit that fetches the mixer's learned parameter too, so one eager step
+    (recording the trace of the new units) is enough; a unit that had to
+    learn it again would change its fetch and need a second one."""
+    results = pools.run(
+        2, run_compiled, "shared", "block", after_initialize=True, compile_at_step=2, eager_steps=(2,), timeout=120
+    )
+    for r in results:
+        r["compile"] = r["compile"][2:]  # nothing is compiled before step 2
+        r["graph_calls"] = r["graph_calls"][2:]
+        r["eager_steps"] = (0,)
+    check(results, "block")
 
 
 def test_inductor_per_block(pools: Any) -> None:

@@ -232,12 +232,13 @@ class ForwardContext:
         compiled = tuple(id(m) for m in modules if is_compiled(m))
         if compiled == self._compiled:
             return
-        # only between steps: a training forward before its first fetch, or any
-        # forward outside a training step (else look again at the next forward)
+        # only between steps: a training step's first forward before its first fetch
+        # (the trace counts fetches from the step's start), or a forward outside a
+        # training step; else look again at the next forward
         hooks = self._hooks
         if hooks.active or hooks.open_modules() or self._state.phase is Phase.BACKWARD:
             return
-        if self._coordinator.position() != 0 or (not training and self._state.phase is not Phase.IDLE):
+        if (self._coordinator.trace.step != 0) if training else (self._state.phase is not Phase.IDLE):
             return
         self._compiled = compiled
         if compiled and not self._counting:
