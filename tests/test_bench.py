@@ -73,6 +73,32 @@ def test_options_accept_the_new_runtimes_worlds_and_budgets() -> None:
             build_parser().parse_args(bad)
 
 
+def test_compile_option_names_the_scope_and_backend() -> None:
+    parse = build_parser().parse_args
+    assert parse([]).compile == ""
+    assert parse(["--compile"]).compile == "block"
+    args = parse(["--compile", "model", "--compile-backend", "aot_eager"])
+    assert (args.compile, args.compile_backend) == ("model", "aot_eager")
+    with pytest.raises(SystemExit):
+        parse(["--compile", "layers"])
+
+
+def test_compile_spec_compiles_the_workloads_blocks_or_the_model() -> None:
+    from z3kit_recipes.bench.runners import CompileSpec
+    from z3kit_recipes.models import TinyWorkload
+    from z3kit_recipes.zero3.hook_plan import is_compiled
+
+    wl = TinyWorkload(depth=3, width=4)
+    model = wl.build_model()
+    CompileSpec("block", "eager").apply(wl, model)
+    blocks = set(wl.blocks(model))
+    assert len(blocks) == 3
+    assert all(is_compiled(m) == (m in blocks) for m in model.modules())
+    whole = wl.build_model()
+    CompileSpec("model", "eager").apply(wl, whole)
+    assert is_compiled(whole) and not any(is_compiled(b) for b in wl.blocks(whole))
+
+
 def test_budget_config_drops_the_knobs_the_budget_derives() -> None:
     from z3kit_recipes.bench.runners.z3kit_zero3 import budget_config, shared_config
     from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG
@@ -136,6 +162,24 @@ def test_report_compares_with_ddp_and_shows_failed_runs() -> None:
     assert "deepspeed       error: RuntimeError: boom" in text
     assert "fsdp2           skipped: not installed" in text
     assert "memory budget 500 B" in text
+
+
+def test_report_shows_compile_figures() -> None:
+    report = _synthetic_report()
+    report["meta"] = {"compile": "block", "compile_backend": "inductor"}
+    case = report["cases"][0]  # type: ignore[index]
+    for r in case["runtimes"].values():
+        if r["status"] == "ok":
+            r["warmup_times_s"] = [2.0, 1.5]
+    case["runtimes"]["z3kit-budget"]["engine_stats"]["compile"] = {
+        "units": ["blocks.0", "blocks.1"], "whole_model": False, "eager_forwards": 1,
+        "last_step": {"graphs": 0, "recompiles": 0, "graph_breaks": 0},
+        "total": {"graphs": 2, "recompiles": 1, "graph_breaks": 0},
+    }
+    text = bench_report.render_table(report)
+    assert "compiled: block (inductor); warm-up steps' seconds (compiling included): ddp 3.5, z3kit-budget 3.5" in text
+    assert "z3kit-budget: 2 compiled blocks gathered as units; 1 eager forward(s); graphs compiled 2" in text
+    assert "last step: 0 new graphs, 0 recompiles" in text
 
 
 def test_plot_writes_one_png_per_case(tmp_path: Path) -> None:

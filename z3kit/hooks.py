@@ -58,6 +58,18 @@ Note: hook bodies run with torch-function dispatch disabled.
     ``TorchFunctionMode`` must not see them, and skipping the Python
     dispatch of every bookkeeping op keeps the per-module cost low.
 
+Note: hooks under torch.compile.
+    The forward hooks are wrapped in ``torch._dynamo.disable``
+    (``outside_graphs``), as FSDP2 wraps its own: torch.compile never traces
+    a hook body (a gather's ``param.data`` swap, a collective, a counter).
+    Where compiled code would call a hook (the hooks of a module inside a
+    compiled region) the graph breaks there and the hook runs eagerly; the
+    hooks of a module compiled on its own (``module.compile()``, or the
+    module given to ``torch.compile``) run outside its compiled forward
+    altogether, so that forward stays one graph. The backward points are
+    autograd nodes created by those hooks, so they run outside compiled
+    graphs as well.
+
 Outputs and inputs may be tensors or any nesting of tuples, lists, dicts,
 dataclasses and namedtuples; only tensors that require grad are wrapped,
 and ``nn.Parameter`` objects are passed through untouched so that a
@@ -70,12 +82,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import attrs
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_graphs(fn: _F) -> _F:
+    """``fn`` always runs eagerly: torch.compile never traces it (a graph break where compiled code calls it)."""
+    return cast(_F, torch._dynamo.disable(fn, recursive=True))
 
 
 def in_backward() -> bool:
@@ -216,6 +235,7 @@ class ModuleHooks:
         self.default_actions = actions
         self.active: list[nn.Module] = []
         self._handles: dict[nn.Module, list[RemovableHandle]] = {}
+        self._actions: dict[nn.Module, HookActions] = {}
         self._calls: dict[nn.Module, list[_Call]] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
 
@@ -224,15 +244,17 @@ class ModuleHooks:
             raise TypeError(f"can only hook an nn.Module, got {type(module).__name__}")
         if module in self._handles:
             raise ValueError(f"{type(module).__name__} is already hooked; detach it first")
-        chosen = actions or self.default_actions
+        self._actions[module] = actions or self.default_actions
 
+        @outside_graphs
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             with torch._C.DisableTorchFunction():
-                return self._pre_forward(mod, chosen, args, kwargs)
+                return self._pre_forward(mod, self._actions[module], args, kwargs)
 
+        @outside_graphs
         def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             with torch._C.DisableTorchFunction():
-                return self._post_forward(mod, chosen, output)
+                return self._post_forward(mod, self._actions[module], output)
 
         self._handles[module] = [
             module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -243,6 +265,18 @@ class ModuleHooks:
         for handle in self._handles.pop(module, []):
             handle.remove()
         self._calls.pop(module, None)
+        self._actions.pop(module, None)
+
+    def actions_of(self, module: nn.Module) -> HookActions:
+        """The actions ``module`` was attached with (or given by ``set_actions``)."""
+        return self._actions[module]
+
+    def set_actions(self, module: nn.Module, actions: HookActions) -> None:
+        """Fire ``actions`` for ``module`` from its next call on (it stays
+        attached: its hooks keep their place among the module's other hooks)."""
+        if module not in self._actions:
+            raise ValueError(f"{type(module).__name__} is not hooked; attach it first")
+        self._actions[module] = actions
 
     def detach_all(self) -> None:
         for module in list(self._handles):

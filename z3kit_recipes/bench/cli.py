@@ -17,8 +17,8 @@ import torch
 from z3kit_recipes.bench.report import compare_to_ddp, render_table
 from z3kit_recipes.bench.runners import unavailable_reason
 from z3kit_recipes.bench.spec import (
-    DEFAULT_BUDGET, DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_WORKLOADS, DEFAULT_ZERO_CONFIG, JSON, LR,
-    RUNTIME_DESCRIPTIONS, RUNTIMES, RuntimeName,
+    COMPILE_SCOPES, DEFAULT_BUDGET, DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_WORKLOADS, DEFAULT_ZERO_CONFIG, JSON, LR,
+    MIN_COMPILE_WARMUP, RUNTIME_DESCRIPTIONS, RUNTIMES, RuntimeName,
 )
 from z3kit_recipes.launch import PYCACHE_DIR, use_bytecode_cache
 from z3kit_recipes.models import TIE_MODES, WORKLOAD_NAMES
@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_parse_budget, default=DEFAULT_BUDGET,
                    help="z3kit-budget's memory_budget: a fraction in (0, 1] of the model, or bytes "
                         "as an int (default %(default)s)")
+    p.add_argument("--compile", nargs="?", const="block", default="", choices=COMPILE_SCOPES,
+                   help="torch.compile the same modules for every runtime: each of the workload's blocks "
+                        "(block.compile(), the default) or the whole model (model.compile()); warm-up is "
+                        f"at least {MIN_COMPILE_WARMUP} steps")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend under --compile (default %(default)s; aot_eager compiles faster)")
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="JSON report path")
     p.add_argument("--plot", action="store_true",
                    help="also write, next to --out, a PNG of step time against train peak memory "
@@ -174,10 +180,13 @@ def _run_case(args: argparse.Namespace, wl_name: str, world: int, requested: lis
     warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[wl_name]
     if steps < 1 or warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.compile:
+        warmup = max(warmup, MIN_COMPILE_WARMUP)
     common: dict[str, Any] = dict(
         workload=wl_name, tie_mode=args.tie_mode, world=world, steps=steps, warmup=warmup,
         probe_steps=max(1, args.probe_steps), trial_steps=min(steps, args.trial_steps),
         pycache_dir=args.pycache_dir, zero=args.zero_config, budget=args.budget,
+        compile=args.compile, compile_backend=args.compile_backend,
     )
     case: JSON = {"workload": wl_name, "world": world, "steps": steps, "warmup": warmup, "runtimes": {}}
     prefix = f"[{wl_name}, world {world}]"
@@ -224,6 +233,7 @@ def run(args: argparse.Namespace) -> JSON:
             "python": sys.version.split()[0], "lr": LR, "dtype": "float32", "tie_mode": args.tie_mode,
             "probe_steps": args.probe_steps, "zero_optimization": args.zero_config,
             "memory_budget": args.budget, "runtimes": {rt: RUNTIME_DESCRIPTIONS[rt] for rt in requested},
+            "compile": args.compile or None, "compile_backend": args.compile_backend if args.compile else None,
         },
         "cases": [],
         "skipped_workloads": {},

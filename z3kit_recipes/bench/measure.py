@@ -58,6 +58,12 @@ WORKLOAD_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "llama": ("transformers.models.llama.modeling_llama",),
 }
 
+#: modules torch.compile imports at its first compilation, by backend (``--compile``)
+COMPILE_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "inductor": ("torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"),
+    "aot_eager": ("torch._dynamo", "torch._functorch.aot_autograd"),
+}
+
 #: per-rank memory figures, bytes above the baseline
 MEMORY_PHASES: Final = ("init_peak", "resident_after_init", "train_peak", "resident_after_step")
 
@@ -66,11 +72,13 @@ def import_lazy_modules(spec: RunSpec) -> None:
     """Import what the run would import lazily, before any baseline is taken.
 
     The first ``torch.optim`` constructor alone imports torch._dynamo and
-    sympy (about 70 MiB resident); DeepSpeed and transformers add more.
+    sympy (about 70 MiB resident); DeepSpeed, transformers and, under
+    ``--compile``, torch.compile's backend add more.
     That is the cost of importing code, the same whatever the model, and
     would otherwise land in whichever phase happens to import first.
     """
-    warm_up((*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ())))
+    warm_up((*RUNTIME_MODULES[spec.runtime], *WORKLOAD_MODULES.get(spec.workload, ()),
+             *(COMPILE_MODULES.get(spec.compile_backend, COMPILE_MODULES["aot_eager"]) if spec.compile else ())))
 
 
 def warm_up(modules: Iterable[str]) -> None:
@@ -83,9 +91,10 @@ def warm_up(modules: Iterable[str]) -> None:
 
 
 def _train(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup, *,
-           steps: int, warmup: int, give_up_s: float | None) -> tuple[list[float], list[float], bool]:
-    """``(timed step seconds, every step's loss, gave up)``."""
+           steps: int, warmup: int, give_up_s: float | None) -> tuple[list[float], list[float], bool, list[float]]:
+    """``(timed step seconds, every step's loss, gave up, warm-up step seconds)``."""
     times: list[float] = []
+    warm: list[float] = []
     losses: list[float] = []
     for step in range(warmup + steps):
         x, y = wl.batch(rank, step)
@@ -94,14 +103,13 @@ def _train(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup, *,
         loss = runner.step(x, y)
         dt = time.perf_counter() - t0
         losses.append(float(loss.item()))
-        if step >= warmup:
-            times.append(dt)
+        (times if step >= warmup else warm).append(dt)
         if give_up_s is not None and step > 0:
             slowest = torch.tensor([dt])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             if float(slowest) > give_up_s:
-                return [dt], losses, True
-    return times, losses, False
+                return [dt], losses, True, warm
+    return times, losses, False, warm
 
 
 def _probe_steps(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup,
@@ -154,7 +162,7 @@ def measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, probe: MemoryPro
     memory["resident_after_init"] = probe.current() - baseline
 
     probe.reset_peak()
-    times, losses, gave_up = _train(runner, wl, rank, group, steps=steps, warmup=warmup, give_up_s=give_up_s)
+    times, losses, gave_up, warm = _train(runner, wl, rank, group, steps=steps, warmup=warmup, give_up_s=give_up_s)
     memory["train_peak"] = probe.peak() - baseline
     gc.collect()
     memory["resident_after_step"] = probe.current() - baseline
@@ -163,7 +171,7 @@ def measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, probe: MemoryPro
     collectives = _probe_steps(runner, wl, rank, group, warmup + steps, probe_steps)
     # of the last probe step, as the profiler's count it is shown next to
     engine_collectives = runner.engine_collectives()
-    local: JSON = {"times": times, "losses": losses, "collectives": collectives,
+    local: JSON = {"times": times, "warm": warm, "losses": losses, "collectives": collectives,
                    "peak": runner.peak_live_params(), "build_s": build_s, "memory": memory,
                    "engine": engine}
     gathered: list[Any] = [None] * spec.world
@@ -184,6 +192,8 @@ def measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, probe: MemoryPro
         "min_s": min(step_times),
         "max_s": max(step_times),
         "step_times_s": step_times,
+        # under --compile: the time compiling takes (slowest rank per step)
+        "warmup_times_s": [max(r["warm"][i] for r in gathered) for i in range(min(len(r["warm"]) for r in gathered))],
         "losses": [statistics.fmean(r["losses"][i] for r in gathered) for i in range(len(losses))],
         "build_s": max(r["build_s"] for r in gathered),
         "total_params": runner.total_params,

@@ -77,6 +77,29 @@ def _row(name: str, r: JSON) -> str:
     )
 
 
+def _compile_lines(case: JSON, meta: JSON) -> list[str]:
+    """Under ``--compile``: each runtime's warm-up (compiling) time, and z3kit's own compile figures."""
+    if not meta.get("compile"):
+        return []
+    warm = ", ".join(
+        f"{name} {sum(r['warmup_times_s']):.1f}"
+        for name, r in case["runtimes"].items() if r["status"] == "ok" and r.get("warmup_times_s")
+    )
+    lines = [f"  compiled: {meta['compile']} ({meta.get('compile_backend')}); warm-up steps' seconds "
+             f"(compiling included): {warm}"]
+    for name, r in case["runtimes"].items():
+        figures = (r.get("engine_stats") or {}).get("compile") if r["status"] == "ok" else None
+        if figures is not None:
+            last, total = figures["last_step"], figures["total"]
+            lines.append(
+                f"  {name}: {len(figures['units'])} compiled blocks gathered as units"
+                f"{', whole model compiled' if figures['whole_model'] else ''}; {figures['eager_forwards']} eager "
+                f"forward(s); graphs compiled {total['graphs']}, graph breaks {total['graph_breaks']}; "
+                f"last step: {last['graphs']} new graphs, {last['recompiles']} recompiles"
+            )
+    return lines
+
+
 def _case_title(case: JSON) -> str:
     params = case.get("total_params")
     size = "" if params is None else f": {params:,} parameters, {4 * params / MiB:.1f} MiB in fp32"
@@ -123,6 +146,7 @@ def render_table(report: JSON) -> str:
         calibration = _calibration(case)
         if calibration is not None:
             lines.append(calibration)
+        lines += _compile_lines(case, report.get("meta", {}))
         lines.append("")
     lines += LEGEND
     return "\n".join(lines)

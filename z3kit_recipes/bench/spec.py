@@ -32,6 +32,11 @@ LR: Final = 1e-3
 DEFAULT_WORKLOADS: Final[tuple[str, ...]] = ("tiny", "gpt")
 DEFAULT_STEPS: Final[dict[str, int]] = {"tiny": 30, "gpt": 15, "llama": 3}
 DEFAULT_WARMUP: Final[dict[str, int]] = {"tiny": 5, "gpt": 3, "llama": 1}
+#: ``--compile``'s scopes: the workload's blocks (the same ones FSDP2 shards), or the whole model
+COMPILE_SCOPES: Final[tuple[str, ...]] = ("block", "model")
+#: warm-up steps under ``--compile`` at least: z3kit runs its first step eagerly (it learns
+#: which parameters each module uses) and compiles in its second; the others compile in their first
+MIN_COMPILE_WARMUP: Final = 2
 #: ``--budget``: one eighth of the model's size in the compute dtype
 DEFAULT_BUDGET: Final = 0.125
 
@@ -75,3 +80,7 @@ class RunSpec:
     budget: int | float
     port: int
     out_path: str
+    #: torch.compile for every runtime: "" (none), "block" (each of the workload's blocks,
+    #: ``block.compile()``) or "model" (``model.compile()``); see ``runners.CompileSpec``
+    compile: str = ""
+    compile_backend: str = "inductor"

@@ -30,6 +30,7 @@ from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3.agreement import StepRecord
 from z3kit_recipes.zero3.backward import BackwardPass
 from z3kit_recipes.zero3.budget import MemoryPlan
+from z3kit_recipes.zero3.compiled import ForwardContext
 from z3kit_recipes.zero3.config import Zero3Config
 from z3kit_recipes.zero3.gathers import Gatherer
 from z3kit_recipes.zero3.grads import GradReducer
@@ -93,7 +94,7 @@ class EngineParts:
     coordinator: ParamCoordinator
     reducer: GradReducer | None
     hooks: ModuleHooks
-    use_mode: ParamUseMode
+    use_mode: ForwardContext
     backward: BackwardPass
     optimizer_step: OptimizerStep | None
     model_watch: ModelWatch
@@ -198,7 +199,7 @@ def assemble(
         log=log, memory=memory, memory_plan=memory_plan, training_state=state, watch=watch, layout=layout,
         optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
-        coordinator=coordinator, reducer=reducer, hooks=hooks, use_mode=ParamUseMode(coordinator, hooks),
+        coordinator=coordinator, reducer=reducer, hooks=hooks, use_mode=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
     )
 

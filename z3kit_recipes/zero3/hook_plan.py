@@ -5,12 +5,19 @@ Every module that owns parameters is hooked and fetches its own
 whole subtree at its root, and the modules inside it are not hooked. The
 root is always hooked, with or without parameters of its own, so that the
 runtime sees every forward start and end.
+
+A compiled submodule (``block.compile()``, or ``torch.compile(block)`` put
+into the model) is a unit too: it fetches its whole subtree at its root, so
+that the compiled code finds every parameter gathered and no hook inside it
+breaks the graph (see ``zero3.compiled``). Its gradients are reduced
+parameter by parameter as usual; a leaf unit keeps its own rules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
 LeafSpec = type[nn.Module] | nn.Module
@@ -42,12 +49,44 @@ def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Modul
     return leaves
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """``module.compile()`` was called on it, or it is ``torch.compile(m)``'s wrapper."""
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def compiled_units(model: nn.Module, leaves: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """The compiled submodules that fetch their whole subtree at their root:
+    the outermost compiled module of each subtree, the root itself excluded
+    (see ``zero3.compiled``), and none that holds a leaf unit or
+    lies inside one (a leaf unit already fetches its subtree as one)."""
+    leaf_set = set(leaves)
+    units: list[nn.Module] = []
+    claimed: set[nn.Module] = set()
+    for m in model.modules():
+        if m in claimed:
+            continue
+        if m in leaf_set:
+            claimed.update(m.modules())
+            continue
+        if m is model or not is_compiled(m):
+            continue
+        inner = set(m.modules())
+        if inner & leaf_set:
+            continue
+        units.append(m)
+        claimed.update(inner)
+    return units
+
+
 def fetch_groups(
     model: nn.Module, params: Sequence[nn.Parameter], leaves: Iterable[nn.Module]
 ) -> dict[nn.Module, list[int]]:
     """Hooked module -> ids (positions in ``params``) of the parameters it fetches."""
     index = {id(p): pid for pid, p in enumerate(params)}
-    roots = set(leaves)
+    leaf_roots = set(leaves)
+    roots = leaf_roots | set(compiled_units(model, leaf_roots))
     inside_leaf = {m for leaf in roots for m in leaf.modules() if m is not leaf}
     groups: dict[nn.Module, list[int]] = {}
     for m in model.modules():

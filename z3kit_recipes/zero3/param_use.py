@@ -43,6 +43,8 @@ class ParamUseMode(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced by torch.compile: not watched (see zero3.compiled)
+            return func(*args, **kwargs)
         if func in _METADATA_READS:
             return func(*args, **kwargs)
         index = self.coordinator.index

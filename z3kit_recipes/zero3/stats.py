@@ -19,6 +19,7 @@ from z3kit.collectives import CollectiveLog
 from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit_recipes.zero3.budget import MemoryPlan
+from z3kit_recipes.zero3.compiled import CompileStats
 
 if TYPE_CHECKING:
     from z3kit_recipes.zero3.build import EngineParts
@@ -63,6 +64,8 @@ class Zero3Stats:
     memory: MemoryReport
     #: the knobs ``memory_budget`` chose, when it is set
     memory_plan: MemoryPlan | None
+    #: graphs, recompilations and graph breaks, when part of the model is compiled (``zero3.compiled``)
+    compile: CompileStats | None = None
 
     @property
     def comm_wait_share(self) -> float:
@@ -169,4 +172,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         rank_check_s=last.rank_check_s,
         memory=parts.memory.report(device_peak_bytes(parts.device)),
         memory_plan=parts.memory_plan,
+        compile=parts.use_mode.stats(),
     )

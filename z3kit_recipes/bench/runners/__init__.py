@@ -12,11 +12,36 @@ import importlib.util
 import os
 from typing import Any, Protocol
 
+import attrs
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from z3kit_recipes.bench.spec import JSON, RuntimeName, RunSpec
 from z3kit_recipes.models import Workload
+
+
+@attrs.frozen
+class CompileSpec:
+    """What ``--compile`` compiles, the same for every runtime: each of the
+    workload's blocks (``block.compile()``, in place) or the whole model
+    (``model.compile()``), with one backend."""
+
+    scope: str
+    backend: str
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> CompileSpec | None:
+        return cls(spec.compile, spec.compile_backend) if spec.compile else None
+
+    def apply(self, wl: Workload, model: nn.Module) -> None:
+        if self.scope == "block":
+            for block in wl.blocks(model):
+                block.compile(backend=self.backend)
+        elif self.scope == "model":
+            model.compile(backend=self.backend)
+        else:
+            raise ValueError(f"unknown compile scope {self.scope!r}; expected 'block' or 'model'")
 
 
 class Runner(Protocol):
@@ -64,22 +89,23 @@ def engine_step(engine: Any, wl: Workload, x: torch.Tensor, y: torch.Tensor) -> 
 
 def build_runner(spec: RunSpec, wl: Workload, group: dist.ProcessGroup) -> Runner:
     """The runner of ``spec.runtime``; builds the model and wraps it."""
+    compiled = CompileSpec.of(spec)
     if spec.runtime == "ddp":
         from z3kit_recipes.bench.runners.torch_native import DDPRunner
 
-        return DDPRunner(wl, group)
+        return DDPRunner(wl, group, compiled=compiled)
     if spec.runtime in ("fsdp2", "fsdp2-noreshard"):
         from z3kit_recipes.bench.runners.torch_native import FSDP2Runner
 
-        return FSDP2Runner(wl, group, reshard_after_forward=spec.runtime == "fsdp2")
+        return FSDP2Runner(wl, group, reshard_after_forward=spec.runtime == "fsdp2", compiled=compiled)
     if spec.runtime == "deepspeed":
         from z3kit_recipes.bench.runners.deepspeed_zero3 import DeepSpeedRunner
 
-        return DeepSpeedRunner(wl, spec.world, spec.zero)
+        return DeepSpeedRunner(wl, spec.world, spec.zero, compiled=compiled)
     from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, budget_config, shared_config
 
     config = budget_config(spec.zero, spec.budget) if spec.runtime == "z3kit-budget" else shared_config(spec.zero)
-    return Z3kitRunner(wl, group, config)
+    return Z3kitRunner(wl, group, config, compiled=compiled)
 
 
 #: modules a runtime imports lazily, imported by a rank before its memory baseline

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from z3kit_recipes.bench.runners import engine_step
+from z3kit_recipes.bench.runners import CompileSpec, engine_step
 from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON, LR
 from z3kit_recipes.models import Workload
 
@@ -46,7 +46,7 @@ class DeepSpeedRunner:
         "parameters AVAILABLE or INFLIGHT (persistent small parameters included)"
     )
 
-    def __init__(self, wl: Workload, world: int, zero: JSON) -> None:
+    def __init__(self, wl: Workload, world: int, zero: JSON, *, compiled: CompileSpec | None = None) -> None:
         ds: Any = importlib.import_module("deepspeed")
         ds.utils.logger.setLevel(logging.WARNING)
         ds.init_distributed(dist_backend="gloo", verbose=False)
@@ -57,6 +57,8 @@ class DeepSpeedRunner:
         if getattr(getattr(model, "config", None), "tie_mode", None) == "functional":
             # The root uses tok_emb.weight outside tok_emb: DeepSpeed needs to be told.
             ds.zero.register_external_parameter(model, getattr(model, "tok_emb").weight)
+        if compiled is not None:  # the model's own blocks, compiled in place before DeepSpeed wraps it
+            compiled.apply(wl, model)
         engine, _, _, _ = ds.initialize(
             model=model, model_parameters=params, config=deepspeed_config(wl.batch_size, world, zero)
         )

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from z3kit_recipes.bench.runners import CompileSpec
 from z3kit_recipes.bench.spec import JSON, LR
 from z3kit_recipes.models import Workload
 
@@ -44,11 +45,13 @@ class _TorchOptimizerStep:
 class DDPRunner(_TorchOptimizerStep):
     peak_method = "full replica: every parameter is resident on every rank"
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup) -> None:
+    def __init__(self, wl: Workload, group: dist.ProcessGroup, *, compiled: CompileSpec | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
+        if compiled is not None:
+            compiled.apply(wl, model)
         super().__init__(wl, DistributedDataParallel(model, process_group=group))
 
     def start_probe(self) -> None:
@@ -74,7 +77,9 @@ class FSDP2Runner(_TorchOptimizerStep):
         "elements of groups unsharded or with an all-gather in flight"
     )
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool) -> None:
+    def __init__(
+        self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool, compiled: CompileSpec | None = None
+    ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
@@ -84,6 +89,8 @@ class FSDP2Runner(_TorchOptimizerStep):
         for block in wl.blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if compiled is not None:  # after fully_shard, as FSDP2's documentation does it
+            compiled.apply(wl, model)
         super().__init__(wl, model)
         self._probe = _FSDP2LiveProbe(model)
 

@@ -9,7 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit_recipes.bench.runners import engine_step
+from z3kit_recipes.bench.runners import CompileSpec, engine_step
 from z3kit_recipes.bench.spec import JSON, LR
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
@@ -35,10 +35,14 @@ def budget_config(zero: JSON, budget: int | float) -> Zero3Config:
 class Z3kitRunner:
     peak_method = "z3kit engine.stats().peak_live_numel"
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config) -> None:
+    def __init__(
+        self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config, *, compiled: CompileSpec | None = None
+    ) -> None:
         self.wl = wl
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
+        if compiled is not None:  # before initialize: each compiled block becomes one fetch unit
+            compiled.apply(wl, model)
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
             return torch.optim.Adam(params, lr=LR)
@@ -93,4 +97,5 @@ def stats_report(stats: Zero3Stats, config: Zero3Config) -> JSON:
             "knobs": plan.knobs(),
             "describe": plan.describe(),
         },
+        "compile": None if stats.compile is None else attrs.asdict(stats.compile),
     }
