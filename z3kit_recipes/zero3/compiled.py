@@ -19,8 +19,8 @@ Note: a compiled block is one fetch unit.
     (``hook_plan.fetch_groups``), which run outside its compiled forward, so
     the block's forward is one graph that finds every parameter gathered:
     no hook inside it breaks the graph. Identical blocks share that graph
-    (dynamo treats the parameters of built-in-inlined modules as graph
-    inputs). Blocks compiled after ``initialize`` are noticed at the next
+    (dynamo makes a module's parameters graph inputs, so identical blocks
+    pass the same guards). Blocks compiled after ``initialize`` are noticed at the next
     forward and regrouped the same way, between steps (the trace is then
     recorded again). A compiled root is not a unit (that would gather the
     whole model at once): under whole-model compile every module that owns
@@ -39,7 +39,13 @@ Note: learning forwards.
     list there, as in eager runs, so compiled forwards later find it
     gathered. In compiled forwards the mode stays on outside compiled
     modules and is popped off the mode stack for the time a compiled
-    module runs (its hooks do that), so dynamo never sees it.
+    module runs (its hooks do that; under whole-model compile the root's
+    hooks, for the whole forward), so dynamo never sees it. Seen by
+    dynamo, the mode would also meet a torch 2.13 bug: with it on the stack,
+    the resume function after a graph break in a Hugging Face
+    ``LlamaModel.forward`` passed a ``torch.Size`` as ``device`` to
+    ``torch.arange``. ``ParamUseMode`` itself passes every call through
+    unwatched while dynamo traces, should anything compiled run under it.
 
 Note: no recompilation.
     Dynamo guards on a parameter's size, stride, dtype, device and

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 LeafSpec = type[nn.Module] | nn.Module
 
@@ -50,10 +50,9 @@ def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Modul
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """``module.compile()`` was called on it, or it is ``torch.compile(m)``'s wrapper."""
-    if module.__dict__.get("_compiled_call_impl") is not None:
-        return True
-    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+    """``module.compile()`` was called on it, or it is ``torch.compile(m)``'s wrapper.
+    (Cheap: the engine asks it of every module at every forward.)"""
+    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, OptimizedModule)
 
 
 def compiled_units(model: nn.Module, leaves: Iterable[nn.Module] = ()) -> list[nn.Module]:
