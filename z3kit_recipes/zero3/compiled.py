@@ -75,7 +75,7 @@ from torch.nn.modules import module as module_registry
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.trace import TraceState
 from z3kit_recipes.zero3.hook_plan import compiled_units, fetch_groups, is_compiled
-from z3kit_recipes.zero3.params import ParamCoordinator, _named
+from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
 
 if TYPE_CHECKING:
@@ -275,11 +275,7 @@ class ForwardContext:
             for m in groups:
                 if m not in attached:
                     hooks.attach(m)
-            coordinator.module_params = groups
-            coordinator.module_keys = {m: key for key, m in enumerate(groups)}
-            coordinator._fetch_key = {m: coordinator._key_of(pids) for m, pids in groups.items()}
-            coordinator.names = {m: name or "<root>" for name, m in _named(groups)}
-            coordinator.gatherer.forget_trace()
+            coordinator.regroup(groups)
             trace = coordinator.trace
             trace.invalidate()
             if trace.in_step:  # record from this forward on

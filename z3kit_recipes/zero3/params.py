@@ -64,11 +64,7 @@ class ParamCoordinator:
         #: debugging: agree on every fetch of a training step, forward and backward
         self.check_every_fetch = check_every_fetch
         self.persistent = [policy.is_persistent(n) for n in self.numels]
-        self.module_params = module_params
-        self.module_keys = {m: key for key, m in enumerate(module_params)}
-        #: what each module's fetch looks like to the trace: (ids, sizes)
-        self._fetch_key = {m: self._key_of(pids) for m, pids in module_params.items()}
-        self.names = {m: name or "<root>" for name, m in _named(module_params)}
+        self.regroup(module_params)
         self._tracing = False
         self._users = [0] * len(self.shards)
         #: parameters pinned by ``pin`` (gathered_parameters), with their pin counts
@@ -84,6 +80,16 @@ class ParamCoordinator:
         #: whether this step's forward fetches were agreed one by one (no trace vouched for them)
         self._agreed_forward = False
         self._fetches_in_step = 0
+
+    def regroup(self, module_params: dict[nn.Module, list[int]]) -> None:
+        """Which module fetches which parameters (at initialize, and when
+        compiled blocks become fetch units); the trace records afresh."""
+        self.module_params = module_params
+        self.module_keys = {m: key for key, m in enumerate(module_params)}
+        #: what each module's fetch looks like to the trace: (ids, sizes)
+        self._fetch_key = {m: self._key_of(pids) for m, pids in module_params.items()}
+        self.names = {m: name or "<root>" for name, m in _named(module_params)}
+        self.gatherer.forget_trace()
 
     def _key_of(self, pids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return tuple(pids), tuple(self.numels[p] for p in pids)
