@@ -114,17 +114,26 @@ class StreamOrderChecker:
     def inflight(self) -> list[str]:
         return [ticket.label for ticket, _, _ in self._inflight.values()]
 
-    def check_compute(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    def _watched(self, func: Any) -> bool:
         # a view reads no data: only what is later done with it counts
-        if self._on_comm or not self._inflight or getattr(func, "is_view", False):
+        return not self._on_comm and bool(self._inflight) and not getattr(func, "is_view", False)
+
+    def check_inputs(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Before a compute op runs: it reads its inputs, and writes those its schema marks written."""
+        if not self._watched(func):
             return
         self.checked_ops += 1
         written = _written_args(func, args, kwargs)
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 self._check(func, t, writes=any(t is w for w in written))
+
+    def check_outputs(self, func: Any, out: Any) -> None:
+        """After it ran: its outputs' memory was written (new memory must not be a communication's)."""
+        if not self._watched(func):
+            return
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not any(t is a for a in tree_leaves((args, kwargs))):
+            if isinstance(t, torch.Tensor):
                 self._check(func, t, writes=True)
 
     def _check(self, func: Any, t: torch.Tensor, *, writes: bool) -> None:
@@ -173,9 +182,9 @@ class _CheckMode(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         # checked before running (a read of unfinished data) and after (the outputs' memory)
-        self.checker.check_compute(func, args, kwargs, None)
+        self.checker.check_inputs(func, args, kwargs)
         out = func(*args, **kwargs)
-        self.checker.check_compute(func, (), {}, out)
+        self.checker.check_outputs(func, out)
         return out
 
 

@@ -196,12 +196,13 @@ class GradReducer:
             self.memory.free(MemoryKind.GRAD_BUCKETS, held)
             held = tensor_bytes(padded)
         size = shard.shard_numel
-        # the output is allocated before the communication, on the compute stream that reads it
-        out = padded.new_empty(size) if self.mode is ReduceMode.REDUCE_SCATTER else padded[self.rank * size : (self.rank + 1) * size]
+        scatter = self.mode is ReduceMode.REDUCE_SCATTER
+        # reduce-scatter writes a new output, allocated here on the compute stream that
+        # reads it; all-reduce writes the whole padded gradient, this rank's slice of it kept
+        out = padded.new_empty(size) if scatter else padded[self.rank * size : (self.rank + 1) * size]
         label = f"{self.mode.value} of gradient #{pid}"
-        written = out if self.mode is ReduceMode.REDUCE_SCATTER else padded
-        with self.streams.communicate(reads=[padded], writes=[written], label=label) as ticket:
-            if self.mode is ReduceMode.REDUCE_SCATTER:
+        with self.streams.communicate(reads=[padded], writes=[out if scatter else padded], label=label) as ticket:
+            if scatter:
                 pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
                 pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)

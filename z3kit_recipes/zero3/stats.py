@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from z3kit.collectives import CollectiveLog
-from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes
+from z3kit.memory import MemoryKind, MemoryLedger, MemoryReport, device_peak_bytes, storage_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit_recipes.zero3.budget import MemoryPlan
 from z3kit_recipes.zero3.compiled import CompileStats
@@ -130,15 +130,6 @@ class StepStats:
         return max(self.last.peak_live_numel, self._limiter.high_water)
 
 
-def storage_numel(tensors: Iterable[torch.Tensor]) -> int:
-    """Elements of the distinct storages behind ``tensors``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
-    return sum(seen.values())
-
-
 def _diff(now: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {k: {f: now[k][f] - before[k][f] for f in now[k]} for k in now}
 
@@ -152,8 +143,8 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         global_step=parts.training_state.global_step,
         micro_step=parts.training_state.micro_step,
         model_numel=sum(s.numel for s in layout.shards),
-        resident_param_numel=storage_numel(s.shard for s in layout.shards),
-        resident_master_numel=0 if layout.masters_are_shards else storage_numel(layout.masters),
+        resident_param_numel=storage_bytes(s.shard for s in layout.shards) // layout.flat.element_size(),
+        resident_master_numel=0 if layout.masters_are_shards else storage_bytes(layout.masters) // 4,  # fp32
         resident_grad_numel=parts.memory.current(MemoryKind.GRAD_PARTITIONS) // 4,
         live_numel=limiter.live_numel,
         peak_live_numel=parts.stats.peak_live_numel(),
