@@ -94,7 +94,7 @@ class EngineParts:
     coordinator: ParamCoordinator
     reducer: GradReducer | None
     hooks: ModuleHooks
-    use_mode: ForwardContext
+    forward_context: ForwardContext
     backward: BackwardPass
     optimizer_step: OptimizerStep | None
     model_watch: ModelWatch
@@ -199,7 +199,8 @@ def assemble(
         log=log, memory=memory, memory_plan=memory_plan, training_state=state, watch=watch, layout=layout,
         optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
-        coordinator=coordinator, reducer=reducer, hooks=hooks, use_mode=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
+        coordinator=coordinator, reducer=reducer, hooks=hooks,
+        forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
     )
 

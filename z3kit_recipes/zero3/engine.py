@@ -90,7 +90,7 @@ class Zero3Engine:
             self.coordinator.begin_step()
             self.training_state.phase = Phase.FORWARD
         try:
-            with self.parts.use_mode, contextlib.nullcontext() if training else self.coordinator.untraced():
+            with self.parts.forward_context, contextlib.nullcontext() if training else self.coordinator.untraced():
                 out = self.module(*args, **kwargs)
         except BaseException as exc:
             self._abort("forward", exc)

@@ -163,5 +163,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         rank_check_s=last.rank_check_s,
         memory=parts.memory.report(device_peak_bytes(parts.device)),
         memory_plan=parts.memory_plan,
-        compile=parts.use_mode.stats(),
+        compile=parts.forward_context.stats(),
     )
