@@ -54,7 +54,7 @@ CORE = {
     "transformer_tied_hf": Case("gpt_hf", SHARDED, optimizer="adamw"),
     "transformer_tied_functional": Case("gpt_functional", SHARDED, optimizer="adamw"),
     # experts without tokens on a rank (and at world 1 and 2 on every rank) each step
-    "moe_leaf": Case("moe", SHARDED, find_unused=True, leaf=("MoE",), ddp_zero_grads=True),
+    "moe_leaf": Case("moe", SHARDED, find_unused=True, leaf=("MoE",)),
 }
 
 

@@ -27,7 +27,7 @@ DELAY_S = 0.002
 CASES = {
     "mlp": Case("mlp", SHARDED, steps=4),
     "transformer_tied_hf": Case("gpt_hf", SHARDED, optimizer="adamw", steps=4),
-    "moe_leaf": Case("moe", SHARDED, find_unused=True, leaf=("MoE",), ddp_zero_grads=True, steps=4),
+    "moe_leaf": Case("moe", SHARDED, find_unused=True, leaf=("MoE",), steps=4),
     "checkpoint_reentrant": Case("ckpt_reentrant", SHARDED, steps=4),
     "returns_its_parameter": Case("returns_param", SHARDED, steps=4),
     "accumulation": Case("mlp", {**SHARDED, "gradient_accumulation_steps": 2}, accumulation=2, steps=3),

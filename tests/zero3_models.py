@@ -17,12 +17,9 @@ Note: what a parameter without a gradient gets.
     step, a branch not taken), so Adam skips it, as plain PyTorch does
     after ``zero_grad()``; DDP with ``find_unused_parameters=True`` leaves
     the gradient of a parameter unused on every rank untouched (``None``),
-    which matches. Inside a leaf unit (``leaf_modules``) every parameter
-    gets a gradient, zeros for an expert that got no tokens (so that every
-    rank reduces the same tensors), and Adam still moves it by its
-    momentum; the reference for such cases (``Case.ddp_zero_grads``) starts
-    from zero gradients and clears them with ``zero_grad(set_to_none=False)``,
-    so that DDP leaves zeros, not ``None``, for an expert that no rank used.
+    which matches, inside a leaf unit (``leaf_modules``) too: an expert
+    that no rank gave tokens is reduced as zeros but gets no gradient, so
+    Adam leaves it alone.
 """
 
 from __future__ import annotations
@@ -232,6 +229,46 @@ class CheckpointModel(nn.Module):
         return self.head(torch.tanh(h))
 
 
+class SharedCheckpointModel(nn.Module):
+    """One block used by two checkpointed segments: under reentrant
+    checkpointing each segment's inner backward hands over a gradient of the
+    shared block, so its parameters get two in one backward (ALBERT's pattern)."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.shared = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN))
+        self.head = nn.Linear(HIDDEN, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(2):
+            h = h + checkpoint(self.shared, h, use_reentrant=self.use_reentrant)
+        return self.head(torch.tanh(h))
+
+
+def hf_llama_shared_layers_checkpointed() -> nn.Module:
+    """An HF Llama whose decoder layers are one layer used three times
+    (ALBERT's cross-layer sharing), under Hugging Face's reentrant gradient
+    checkpointing. (ALBERT itself has no gradient checkpointing in
+    transformers 5.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        attention_dropout=0.0, tie_word_embeddings=False, attn_implementation="eager", use_cache=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    layers = model.model.layers
+    for i in range(1, len(layers)):
+        layers[i] = layers[0]
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
 class Scaler(nn.Module):
     """Returns one of its own parameters alongside its output."""
 
@@ -302,7 +339,8 @@ class MoE(nn.Module):
         gates = torch.softmax(self.router(x), dim=-1)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            idx = (route == e).nonzero().flatten()
+            # route: (tokens,) for top-1, (tokens, k) for top-k
+            idx = (route == e).reshape(len(route), -1).any(dim=1).nonzero().flatten()
             if idx.numel() == 0:
                 continue  # an expert with no tokens on this rank this step
             y = expert(x.index_select(0, idx)) * gates.index_select(0, idx)[:, e : e + 1]
@@ -319,6 +357,18 @@ class MoEModel(nn.Module):
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.moe(torch.tanh(self.inp(x)), route)))
+
+
+def moe_top2_batch(rank: int, step: int, micro: int, k: int) -> dict[str, Any]:
+    """Top-2 routing: each token goes to two experts (the three allowed on
+    this rank and step, less one chosen per token); at world 1 an expert gets
+    no tokens on every rank each step."""
+    g = _gen(7, rank, step, micro, k)
+    b = vec_batch(rank, step, micro, k)
+    allowed = torch.tensor([(rank + step + micro + i) % N_EXPERTS for i in range(3)])
+    pairs = torch.tensor([[0, 1], [1, 2], [0, 2]])[torch.randint(0, 3, (BATCH,), generator=g)]
+    b["route"] = allowed[pairs]
+    return b
 
 
 def moe_route(rank: int, step: int, micro: int, tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -442,6 +492,10 @@ WORKLOADS: dict[str, Workload] = {
     "unused": Workload(UnusedParamModel, vec_batch, step_loss),
     "ckpt_reentrant": Workload(lambda: CheckpointModel(True), vec_batch, vec_loss),
     "ckpt_nonreentrant": Workload(lambda: CheckpointModel(False), vec_batch, vec_loss),
+    "shared_ckpt_reentrant": Workload(lambda: SharedCheckpointModel(True), vec_batch, vec_loss),
+    "shared_ckpt_nonreentrant": Workload(lambda: SharedCheckpointModel(False), vec_batch, vec_loss),
+    "hf_shared_layers_ckpt": Workload(hf_llama_shared_layers_checkpointed, hf_batch, hf_loss),
+    "moe_top2": Workload(MoEModel, moe_top2_batch, moe_loss),
     "returns_param": Workload(ReturnsParamModel, vec_batch, vec_loss),
     "parent": Workload(ParentModel, vec_batch, vec_loss),
     "moe": Workload(MoEModel, moe_batch, moe_loss),
@@ -478,8 +532,8 @@ class Case:
     #: DDP side: clip_grad_norm_ limit (0: none; the engine reads its config)
     clip: float = 0.0
     seed: int = 0
-    #: DDP side: keep zero gradients instead of None (see the module Note)
-    ddp_zero_grads: bool = False
+    #: DDP side: static_graph=True (what DDP needs for a parameter used by two reentrant checkpoint segments)
+    static_graph: bool = False
 
 
 def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -515,18 +569,16 @@ class DDPReference:
         self.model = model
         self.case = case
         self.ddp = nn.parallel.DistributedDataParallel(
-            model, process_group=ctx.group, find_unused_parameters=case.find_unused
+            model, process_group=ctx.group, find_unused_parameters=case.find_unused, static_graph=case.static_graph
         )
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if case.ddp_zero_grads:
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
         self.opt = make_optimizer(case.optimizer, trainable, case.lr)
 
     def micro_step(self, batches: list[dict[str, Any]], step: int, micro: int) -> float:
         wl = WORKLOADS[self.case.workload]
         last = micro == self.case.accumulation - 1
-        with contextlib.nullcontext() if last else self.ddp.no_sync():
+        # static_graph DDP refuses no_sync; reducing every micro-step gives the same sums
+        with contextlib.nullcontext() if last or self.case.static_graph else self.ddp.no_sync():
             loss = sum(wl.loss(self.ddp, b, step) for b in batches)
             (loss / self.case.accumulation).backward()
         return float(loss.detach())
@@ -536,7 +588,7 @@ class DDPReference:
         if self.case.clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.clip))
         self.opt.step()
-        self.opt.zero_grad(set_to_none=not self.case.ddp_zero_grads)
+        self.opt.zero_grad()
         return norm
 
     def params(self) -> dict[str, torch.Tensor]:

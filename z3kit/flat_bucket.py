@@ -155,6 +155,28 @@ class FlatBucket:
             raise ValueError(f"gradient {key} has {grad.numel()} elements; its reserved slice is for another size")
         self._write(index, grad.reshape(-1))
 
+    def accumulate(self, key: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` into the slice that ``add`` already filled for ``key``:
+        a second gradient of one parameter in one backward (a parameter shared
+        by two reentrant checkpoint segments) counts as a sum, never a copy."""
+        if self._in_flight is not None:
+            raise ValueError("bucket is being reduced; wait on its flush before adding gradients")
+        index = next((i for i, entry in enumerate(self._entries) if entry[0] == key and i not in self._pending.values()), None)
+        if index is None:
+            raise ValueError(f"gradient {key} has no filled slice in this bucket to add to; add() it first")
+        if grad.dtype != self.buffer.dtype or shard_numel_for(grad.numel(), self.world) != self._entries[index][2]:
+            raise ValueError(f"gradient {key} ({grad.numel()} elements, {grad.dtype}) does not match its slice")
+        self._write(index, grad.reshape(-1), add=True)
+
+    def skip(self, key: int) -> None:
+        """Zeros in ``key``'s reserved slice: it gets no gradient on this rank
+        (an expert without tokens) but is reduced with the rest. A key that is
+        not waiting for its gradient (already added) is left as it is."""
+        index = self._pending.pop(key, None)
+        if index is not None:
+            _, where, shard = self._entries[index]
+            self._region(where, shard).zero_()
+
     def missing(self) -> list[int]:
         """Keys reserved and not added yet."""
         return list(self._pending)
@@ -190,16 +212,20 @@ class FlatBucket:
             return self.buffer[where : where + shard * self.world]
         return self.buffer.view(self.world, -1)[:, where : where + shard]
 
-    def _write(self, index: int, flat: torch.Tensor) -> None:
+    def _write(self, index: int, flat: torch.Tensor, *, add: bool = False) -> None:
         _, where, shard = self._entries[index]
         numel = flat.numel()
         if self.mode is ReduceMode.ALL_REDUCE:
-            self.buffer[where : where + numel].copy_(flat)
-            if numel != shard * self.world:
-                self.buffer[where + numel : where + shard * self.world].zero_()
+            target, source = self.buffer[where : where + numel], flat
         else:
             padded = flat if numel == shard * self.world else torch.cat([flat, flat.new_zeros(shard * self.world - numel)])
-            self._region(where, shard).copy_(padded.view(self.world, shard))
+            target, source = self._region(where, shard), padded.view(self.world, shard)
+        if add:
+            target.add_(source)
+            return
+        target.copy_(source)
+        if self.mode is ReduceMode.ALL_REDUCE and numel != shard * self.world:
+            self.buffer[where + numel : where + shard * self.world].zero_()
 
     def landed(self, flush: BucketFlush) -> None:
         """``flush`` was waited on: the bucket takes gradients again (a stale

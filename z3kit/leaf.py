@@ -6,10 +6,13 @@ hooks there would gather and reduce different parameters on different
 ranks, and a collective that one rank issues and another does not
 deadlocks. A leaf unit avoids that: all of the subtree's parameters are
 fetched at its entry and released at its exit, and its gradients are
-reduced by one callback once the gradients of all of its inputs are done,
-with a zero gradient for every parameter that received none (an expert
-with no tokens), so every rank hands the same parameters, in the same
-order, to the reduction.
+reduced by one callback once the gradients of all of its inputs are done.
+The callback names every parameter of the unit, ``None`` standing for the
+gradient of one that received none (an expert with no tokens), so every
+rank hands the same parameters, in the same order, to the reduction; the
+runtime reduces zeros in their place but does not invent a gradient for
+the optimizer (a parameter that no rank used is skipped by it, as DDP
+leaves its ``.grad`` None).
 
 Note: why the gradients are complete at that point.
     The callback runs from the ``_PostBackward`` node on the unit's inputs
@@ -31,7 +34,9 @@ from torch import nn
 
 from z3kit.hooks import HookActions
 
-ParamGrads = list[tuple[nn.Parameter, torch.Tensor]]
+#: ``(param, grad)`` of every parameter of a unit that requires grad; ``grad`` is
+#: None where the parameter received none in this backward
+ParamGrads = list[tuple[nn.Parameter, torch.Tensor | None]]
 
 
 class LeafModuleHook:
@@ -42,8 +47,8 @@ class LeafModuleHook:
     the runtime's ordinary actions for the unit's root, which fetch and
     release ``params``; the unit adds the reduction: at post-backward,
     ``reduce`` receives ``(param, grad)`` for every subtree parameter that
-    requires grad, ``grad`` being ``param.grad`` or zeros of the parameter's
-    shape when it received none, and runs before ``actions.post_backward``,
+    requires grad, ``grad`` being ``param.grad`` (None when it received
+    none), and runs before ``actions.post_backward``,
     while the parameters are still gathered. The subtree's other modules
     (``submodules()``) must not be hooked on their own.
     """
@@ -68,10 +73,8 @@ class LeafModuleHook:
         return [m for m in self.module.modules() if m is not self.module]
 
     def gradients(self) -> ParamGrads:
-        """``(param, grad or zeros)`` for every subtree parameter that requires grad."""
-        return [
-            (p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params if p.requires_grad
-        ]
+        """``(param, grad or None)`` for every subtree parameter that requires grad."""
+        return [(p, p.grad) for p in self.params if p.requires_grad]
 
     def _on_post_backward(self, module: nn.Module) -> None:
         self._reduce(self.gradients())

@@ -3,7 +3,8 @@
 At the end of every backward the ranks compare, in one small all-gather,
 where they are (optimizer step, micro-step), what they did (how many
 gathers they issued, and a fingerprint of the modules they
-fetched, in order), and which parameters got a gradient. Which parameters
+fetched, in order), and which parameters got a gradient (and which got a
+second one after their reduction was issued, ``zero3.grads``). Which parameters
 got a gradient on some rank is what the optimizer then sees (the rest
 have none, as after ``zero_grad(set_to_none=True)``); any other difference
 means the ranks no longer run the same program, and every rank raises
@@ -44,6 +45,10 @@ class RankAgreement(Protocol):
 #: reductions: they follow a fixed plan, but how many of them a rank issued before the check varies)
 HEADER_WORDS = 5
 _MASK = (1 << 62) - 1
+#: flag bits a rank sends per trainable parameter: its gradient arrived here
+ARRIVED = 1
+#: ... and a second one arrived after its reduction was issued (reduced after the check)
+LATE = 2
 
 
 class RanksDisagree(RuntimeError):
@@ -75,19 +80,19 @@ def start_step_check(
     global_step: int,
     micro_step: int,
     record: StepRecord,
-    used: Sequence[bool],
+    flags: Sequence[int],
 ) -> StepCheck:
     """Begin comparing this backward across ranks (collective, in flight:
     the end of backward's last reductions overlap it); ``StepCheck.result``
     completes it."""
     world = dist.get_world_size(group)
     words = [global_step, micro_step, record.gathers, len(record.fetches), record.fingerprint()]
-    flags = torch.zeros((len(used) + 7) // 8 * 8, dtype=torch.uint8)  # one byte a parameter, eight to a word
-    flags[: len(used)] = torch.tensor(list(used), dtype=torch.uint8)
-    mine = torch.cat([torch.tensor(words, dtype=torch.int64), flags.view(torch.int64)]).to(device)
+    packed = torch.zeros((len(flags) + 7) // 8 * 8, dtype=torch.uint8)  # one byte a parameter, eight to a word
+    packed[: len(flags)] = torch.tensor(list(flags), dtype=torch.uint8)
+    mine = torch.cat([torch.tensor(words, dtype=torch.int64), packed.view(torch.int64)]).to(device)
     everyone = mine.new_empty(world * mine.numel())
     pending = all_gather(everyone, mine, group, async_op=True)
-    return StepCheck(group, pending, everyone, len(used), list(record.fetches))
+    return StepCheck(group, pending, everyone, len(flags), list(record.fetches))
 
 
 @attrs.frozen
@@ -100,16 +105,20 @@ class StepCheck:
     n_params: int
     fetches: list[tuple[str, int]]
 
-    def result(self, waiter: Waiter) -> list[bool]:
-        """For each trainable parameter, whether any rank gave it a gradient.
-        Raises ``RanksDisagree`` on every rank when anything else differs."""
+    def result(self, waiter: Waiter) -> list[int]:
+        """For each trainable parameter, the flags of every rank or'ed
+        (``ARRIVED``: some rank gave it a gradient; ``LATE``: some rank holds
+        a late one). Raises ``RanksDisagree`` on every rank when anything else differs."""
         waiter(self.pending.is_completed, self.pending.wait)
         table = self.everyone.view(dist.get_world_size(self.group), -1).cpu()
         headers = table[:, :HEADER_WORDS].tolist()
         if any(h != headers[0] for h in headers):
             _raise_disagreement(self.group, headers, self.fetches)
         flags_of_all = table[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : self.n_params]
-        out: list[bool] = flags_of_all.amax(dim=0).bool().tolist() if self.n_params else []
+        if not self.n_params:
+            return []
+        out: list[int] = sum(((flags_of_all & bit).amax(dim=0) for bit in (ARRIVED, LATE)), torch.zeros(
+            self.n_params, dtype=torch.uint8)).tolist()
         return out
 
 

@@ -18,7 +18,7 @@ import torch
 from z3kit.hooks import ModuleHooks, in_backward
 from z3kit.leaf import ParamGrads
 from z3kit.shard import ParamShard
-from z3kit_recipes.zero3.agreement import RanksDisagree, StepCheck, StepRecord, start_step_check
+from z3kit_recipes.zero3.agreement import ARRIVED, LATE, RanksDisagree, StepCheck, StepRecord, start_step_check
 from z3kit_recipes.zero3.grads import GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
@@ -76,9 +76,15 @@ class BackwardPass:
         param.grad = None
 
     def reduce_leaf(self, grads: ParamGrads) -> None:
-        """A leaf unit's gradients, all at once (``LeafModuleHook``)."""
+        """A leaf unit's gradients, all at once (``LeafModuleHook``); one
+        that got none here is reduced as zeros without counting as arrived."""
         for param, grad in grads:
-            self._hand_over(self.coordinator.index[id(param)], param, grad)
+            pid = self.coordinator.index[id(param)]
+            if grad is not None:
+                self._hand_over(pid, param, grad)
+            elif self.reducer is not None:
+                self.queue_epilogue()
+                self.reducer.skip(pid)
 
     def pre_backward(self, module: torch.nn.Module) -> None:
         self.queue_epilogue()
@@ -103,10 +109,12 @@ class BackwardPass:
                 check = self._start_check()
                 self.reducer.finish()
                 try:
-                    self._agree(check)
+                    late_pids = self._agree(check)
                 except RanksDisagree as exc:
                     self.watch.broken = str(exc)  # every rank raised it: none may go on alone
                     raise
+                if late_pids:
+                    self.reducer.reduce_late(late_pids)
             late = [self.names[p] for p in self.leaf_params if self.shards[p].param.grad is not None]
             if late:
                 raise RuntimeError(
@@ -124,7 +132,6 @@ class BackwardPass:
         assert self.reducer is not None
         if self.watch.world == 1:
             return None
-        arrived = self.reducer.arrived
         # not on the reduction group: the ranks may still have different
         # bucket flushes to issue there (zero-filled where no gradient came)
         return start_step_check(
@@ -133,19 +140,26 @@ class BackwardPass:
             global_step=self.training_state.global_step,
             micro_step=self.training_state.micro_step,
             record=self.record,
-            used=[pid in arrived for pid in self.trainable],
+            flags=self._flags(),
         )
 
-    def _agree(self, check: StepCheck | None) -> None:
+    def _flags(self) -> list[int]:
+        """What this rank holds for each trainable parameter (``zero3.agreement``'s flags)."""
+        assert self.reducer is not None
+        arrived, late = self.reducer.arrived, self.reducer.late
+        return [(ARRIVED if pid in arrived else 0) | (LATE if pid in late else 0) for pid in self.trainable]
+
+    def _agree(self, check: StepCheck | None) -> list[int]:
         """Finish the comparison: the parameters that got a gradient on some
-        rank are the window's (see ``zero3.agreement``)."""
+        rank are the window's (see ``zero3.agreement``). Returns those that
+        some rank holds a late gradient for (see ``zero3.grads``)."""
         assert self.reducer is not None
         if check is None:
-            arrived = self.reducer.arrived
-            used = [pid in arrived for pid in self.trainable]
+            flags = self._flags()
         else:
             started = time.perf_counter()
-            used = check.result(self.watch.wait)
+            flags = check.result(self.watch.wait)
             self.check_s += time.perf_counter() - started
         self.record.clear()
-        self.reducer.mark_used(pid for pid, u in zip(self.trainable, used) if u)
+        self.reducer.mark_used(pid for pid, f in zip(self.trainable, flags) if f & ARRIVED)
+        return [pid for pid, f in zip(self.trainable, flags) if f & LATE]

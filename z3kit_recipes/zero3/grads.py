@@ -22,6 +22,18 @@ Note: the same reductions on every rank.
     (``zero3.agreement``): one that got none anywhere has none for the
     optimizer, as after ``zero_grad(set_to_none=True)``.
 
+Note: a gradient that arrives twice.
+    A parameter used in two segments of reentrant activation checkpointing
+    (ALBERT's shared layer under Hugging Face gradient checkpointing) gets
+    one gradient per segment in one backward: each segment's recomputation
+    runs an inner backward of its own. Every arrival counts: a second one
+    is added into the parameter's slot while its reduction is not issued;
+    once it is, the arrival is kept aside (``late``) and reduced after the
+    ranks have agreed at the end of backward which parameters any rank holds
+    such a gradient for, in parameter order, zeros where a rank holds none.
+    Reduction is linear, so the sum of the two reductions is the reduction
+    of the summed gradient.
+
 Note: large gradients.
     A gradient that needs no padding and would take half a bucket or more
     is reduced in place, in the tensor autograd produced, instead of being
@@ -117,6 +129,8 @@ class GradReducer:
         self._window_used: set[int] = set()
         #: parameters whose gradient arrived on this rank in this backward
         self.arrived: set[int] = set()
+        #: second arrivals after their reduction was issued, summed, by id (see the Note)
+        self.late: dict[int, torch.Tensor] = {}
         self._buckets: dict[int, FlatBucket] = {}
         self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
         self._next = 0  # plan index of the next reduction to issue
@@ -131,6 +145,9 @@ class GradReducer:
         does not use it afterwards."""
         if grad.dtype != self.bucket_dtype:
             grad = grad.to(self.bucket_dtype)
+        if pid in self.arrived:
+            self._add_again(pid, grad)
+            return
         self.arrived.add(pid)
         self._land(finished_only=True)
         index = self.plan.bucket_of[pid]
@@ -140,6 +157,51 @@ class GradReducer:
         else:
             self._bucket(index).add(pid, grad)
         self._issue_ready()
+
+    def skip(self, pid: int) -> None:
+        """Parameter ``pid`` gets no gradient on this rank in this backward (an
+        expert without tokens): zeros take its place in the reduction, and it
+        does not count as arrived."""
+        index = self.plan.bucket_of[pid]
+        if pid in self.arrived or index < self._next:
+            return
+        if self.plan.alone[index]:
+            self._waiting[index] = torch.zeros(self._padded[pid], dtype=self.bucket_dtype, device=self.device)
+            self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(self._waiting[index]))
+        else:
+            self._bucket(index).skip(pid)
+        self._issue_ready()
+
+    def _add_again(self, pid: int, grad: torch.Tensor) -> None:
+        """A second gradient of ``pid`` in this backward (see the Note)."""
+        index = self.plan.bucket_of[pid]
+        if index < self._next:  # its reduction is issued: keep it for reduce_late
+            held = self.late.get(pid)
+            if held is None:
+                self.late[pid] = grad.detach().clone(memory_format=torch.contiguous_format)
+                self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(self.late[pid]))
+            else:
+                held.add_(grad)
+        elif self.plan.alone[index]:
+            self._waiting[index].add_(grad.reshape(self._waiting[index].shape))
+        else:
+            self._buckets[index].accumulate(pid, grad)
+
+    def reduce_late(self, pids: Sequence[int]) -> None:
+        """Reduce the late gradients of ``pids`` (agreed across ranks: every
+        rank passes the same list; zeros where this rank holds none) into
+        the window's partitions."""
+        for pid in sorted(pids):
+            grad = self.late.pop(pid, None)
+            if grad is None:
+                grad = torch.zeros(self._numels[pid], dtype=self.bucket_dtype, device=self.device)
+                self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(grad))
+            if len(self._flights) >= MAX_FLIGHTS:
+                self._land(oldest_only=True)
+            self._flights.append(self._reduce_alone(pid, grad))
+        self._land()
+        if self.late:  # the agreed list always holds this rank's own: a gradient must never be dropped
+            raise RuntimeError(f"late gradients of parameters {sorted(self.late)} were not in the agreed list {list(pids)}")
 
     def _bucket(self, index: int) -> FlatBucket:
         bucket = self._buckets.get(index)
