@@ -49,10 +49,16 @@ class BackwardPass:
         self._queued = False
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
-        self._grad_handles = [  # kept so the hooks can be removed
-            shards[pid].param.register_post_accumulate_grad_hook(self._grad_hook(pid))
-            for pid in trainable
-            if pid not in leaf_params
+        self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
+        self.watch_gradients(trainable)
+
+    def watch_gradients(self, pids: Sequence[int]) -> None:
+        """Hand the gradients of ``pids`` to the reducer as they become ready
+        (a leaf unit's parameters are handed over by the unit)."""
+        self._grad_handles += [
+            self.shards[pid].param.register_post_accumulate_grad_hook(self._grad_hook(pid))
+            for pid in pids
+            if pid not in self.leaf_params
         ]
 
     @property

@@ -45,8 +45,8 @@ from z3kit_recipes.zero3.phase import TrainingState
 from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
 from z3kit_recipes.zero3.stats import StepStats
 from z3kit_recipes.zero3.timeline import Timeline
+from z3kit_recipes.zero3.trainable import OptimizerFactory, TrainableWatch
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 StreamPairFactory = Callable[[torch.device], StreamPairLike]
 
 
@@ -97,6 +97,7 @@ class EngineParts:
     forward_context: ForwardContext
     backward: BackwardPass
     optimizer_step: OptimizerStep | None
+    trainable_watch: TrainableWatch
     model_watch: ModelWatch
     stats: StepStats
 
@@ -202,6 +203,10 @@ def assemble(
         coordinator=coordinator, reducer=reducer, hooks=hooks,
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
+        trainable_watch=TrainableWatch(
+            layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
+            watch=watch, memory=memory, micro_step=lambda: state.micro_step,
+        ),
     )
 
 

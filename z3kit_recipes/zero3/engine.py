@@ -84,6 +84,11 @@ class Zero3Engine:
         # so it must not keep parameters gathered for one.
         training = torch.is_grad_enabled() and self.module.training
         if training:
+            try:
+                self.parts.trainable_watch.follow()
+            except BaseException as exc:
+                self._abort("forward", exc)
+                raise
             self.parts.stats.training_forward()
             if self.config.broadcast_buffers and self.world > 1:
                 self.parts.model_watch.broadcast_buffers(self.group, self.log)

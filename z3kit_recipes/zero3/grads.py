@@ -112,17 +112,7 @@ class GradReducer:
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
         self.bucket_dtype = bucket_dtype
-        #: partition slot of each trainable parameter id
-        self.slot = {pid: i for i, pid in enumerate(trainable)}
-        self._partition_numels = [shards[p].shard_numel for p in trainable]
-        self._numels = {pid: shards[pid].numel for pid in trainable}
-        self._padded = {pid: shards[pid].padded_numel for pid in trainable}
-        total = sum(self._padded.values())
-        # no bucket is larger than what the whole model can fill, nor than a transient buffer may be
-        capacity = min(bucket_size, total, transient_cap(total, self.world))
-        #: elements of one bucket at most (0: every gradient is reduced on its own)
-        self.bucket_capacity = capacity - capacity % self.world if contiguous and capacity >= self.world else 0
-        self.plan = ReductionPlan.make(list(reversed(trainable)), self._numels, self._padded, self.bucket_capacity)
+        self._bucket_size, self._contiguous = bucket_size, contiguous
         #: this window's partitions; None between an optimizer step and the first landing after it
         self.partitions: GradPartitionBuffer | None = None
         #: parameters that got a gradient on some rank in this window (the rest have none for the optimizer)
@@ -137,6 +127,25 @@ class GradReducer:
         self._flights: list[_Flight] = []
         #: seconds spent blocked on reductions
         self.comm_wait_s = 0.0
+        self.replan(trainable)
+
+    def replan(self, trainable: Sequence[int]) -> None:
+        """Partition slots and the reduction plan for ``trainable`` (at
+        initialize, and when parameters are unfrozen between windows)."""
+        if self.partitions is not None or self._buckets or self._waiting or self._flights:
+            raise RuntimeError("the reduction plan changes only between accumulation windows")
+        shards = self.shards
+        #: partition slot of each trainable parameter id
+        self.slot = {pid: i for i, pid in enumerate(trainable)}
+        self._partition_numels = [shards[p].shard_numel for p in trainable]
+        self._numels = {pid: shards[pid].numel for pid in trainable}
+        self._padded = {pid: shards[pid].padded_numel for pid in trainable}
+        total = sum(self._padded.values())
+        # no bucket is larger than what the whole model can fill, nor than a transient buffer may be
+        capacity = min(self._bucket_size, total, transient_cap(total, self.world))
+        #: elements of one bucket at most (0: every gradient is reduced on its own)
+        self.bucket_capacity = capacity - capacity % self.world if self._contiguous and capacity >= self.world else 0
+        self.plan = ReductionPlan.make(list(reversed(trainable)), self._numels, self._padded, self.bucket_capacity)
 
     # -- adding ------------------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ from z3kit.streams import stream_pair_for
 from z3kit.trace import TraceRecorder
 from z3kit.validate import check_int, is_int
 from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
-from z3kit_recipes.zero3.build import MetaInit, OptimizerFactory, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.build import MetaInit, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.trainable import OptimizerFactory
 from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.grads import MAX_FLIGHTS

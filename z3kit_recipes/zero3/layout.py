@@ -83,6 +83,22 @@ class ShardLayout:
             masters = [nn.Parameter(torch.empty(sizes[pid], dtype=torch.float32, device=device)) for pid in trainable_ids]
         return cls(shards, flat, trainable_ids, masters)
 
+    def new_masters(self, pids: Sequence[int]) -> list[nn.Parameter]:
+        """Master shards for ``pids``, not trainable yet, made from their shards
+        (the shard itself in fp32 runs; else its values widened to fp32)."""
+        if self.masters_are_shards:
+            return [nn.Parameter(self.shards[pid].shard) for pid in pids]
+        return [nn.Parameter(self.shards[pid].shard.detach().to(torch.float32)) for pid in pids]
+
+    def add_trainable(self, pids: Sequence[int], masters: Sequence[nn.Parameter]) -> None:
+        """``pids`` train from now on with ``masters`` (from ``new_masters``):
+        inserted in parameter order, in place, so that every holder of
+        ``trainable`` and ``masters`` sees the same lists."""
+        self._masters.update(zip(pids, masters))
+        order = sorted(self._masters)
+        self.trainable[:] = order
+        self.masters[:] = [self._masters[pid] for pid in order]
+
     def master_of(self) -> dict[int, nn.Parameter]:
         """Master shard by parameter id (trainable parameters only)."""
         return dict(self._masters)
