@@ -19,6 +19,7 @@ from z3kit.hooks import ModuleHooks, in_backward
 from z3kit.leaf import ParamGrads
 from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.agreement import ARRIVED, LATE, RanksDisagree, StepCheck, StepRecord, start_step_check
+from z3kit_recipes.zero3.backward_once import OneBackwardPerForward
 from z3kit_recipes.zero3.grads import GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
@@ -47,6 +48,8 @@ class BackwardPass:
         self.coordinator, self.reducer, self.hooks, self.record = coordinator, reducer, hooks, record
         self.watch, self.agreement, self.training_state = watch, agreement, training_state
         self._queued = False
+        #: refuses a second backward over one forward (see ``zero3.backward_once``)
+        self.once = OneBackwardPerForward(watch, hooks, record)
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
@@ -101,6 +104,7 @@ class BackwardPass:
         it (the first hook to fire is the root's, in the outermost backward)."""
         if self._queued or not in_backward():
             return
+        self.once.backward_starts()
         self._queued = True
         self.training_state.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.end)

@@ -76,6 +76,8 @@ class Zero3Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.watch.check("forward")
         self.parts.model_watch.check_parameters()
+        if torch.is_grad_enabled():
+            self.parts.backward.once.forward_ran()
         dtype = self.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
@@ -125,6 +127,7 @@ class Zero3Engine:
         self.watch.check("backward")
         before = self.training_state.micro_step
         try:
+            self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
             loss.backward()
         except BaseException as exc:
             self._abort("backward", exc)

@@ -1,7 +1,9 @@
 """``zero3.initialize``: every argument checked, then the engine assembled.
 
 Nothing touches the model before every check has passed, on every rank
-where a check depends on the others (the optimizer factory, the seed).
+where a check depends on the others: the ranks agree on the model and the
+settings (``zero3.init_agreement``, which also agrees on the seed of a
+model built on meta), then on the optimizer factory (``zero3.build``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from z3kit.collectives import ProcessGroup, broadcast
+from z3kit.collectives import ProcessGroup
 from z3kit.device import BACKEND_FOR_DEVICE_TYPE, device_type_for_backend
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy, StockReleasePolicy
@@ -28,6 +30,7 @@ from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.grads import MAX_FLIGHTS
 from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
+from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
 from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors
 
 
@@ -76,6 +79,9 @@ def initialize(
     ``release_policy`` and ``prefetch_limiter`` replace the stock policies
     (the config's knobs for them are then not used). Every argument is
     checked before the model is touched: a failed call changes nothing.
+    Every rank must pass the same model (names, shapes, dtypes,
+    ``requires_grad``) and settings; where they differ, every rank raises
+    ``RanksDisagreeAtInit`` naming the differences (``zero3.init_agreement``).
 
     A model built on the meta device is materialized one module at a time
     (see ``z3kit_recipes.zero3.materialize``): by ``param_init_fn(module)``
@@ -144,24 +150,23 @@ def initialize(
         )
     elif not isinstance(prefetch_limiter, PrefetchLimiter):
         raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
-    meta_init = None
-    if has_meta_tensors(model):
+    meta = has_meta_tensors(model)
+    if meta:
         check_materializable(model, param_init_fn)
-        meta_init = MetaInit(param_init_fn, _agreed_seed(init_seed, process_group, device))
-    parts = assemble(
-        model, optimizer, config, process_group, device, leaves, Policies(trace, release_policy, prefetch_limiter),
-        plan, meta_init or MetaInit(None, 0), stream_pairs,
+        if init_seed is not None:
+            check_int("init_seed", init_seed)
+    policies = Policies(trace, release_policy, prefetch_limiter)
+    # the last check, and the first collective: every rank got the same model and settings
+    summary = summarize(
+        model, config, world=dist.get_world_size(process_group), training=optimizer is not None, leaves=leaves,
+        policies=policies, derived_knobs=None if plan is None else knobs,
+        # the seed and the init function matter only where tensors are made on every rank
+        init_seed=init_seed if meta else None, param_init_fn=param_init_fn if meta else None,
     )
+    rank0_seed = agree_at_init(summary, process_group, device)
+    meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
+    parts = assemble(model, optimizer, config, process_group, device, leaves, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
-
-
-def _agreed_seed(seed: int | None, group: ProcessGroup, device: torch.device) -> int:
-    """``seed``, or rank 0's ``torch.initial_seed()``: the same on every rank."""
-    if seed is not None:
-        return check_int("init_seed", seed)
-    value = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64, device=device)
-    broadcast(value, 0, group)
-    return int(value.item())
 
 
 def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:
