@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.errors import unchanged
-from tests.zero3_models import MLP, vec_batch
+from tests.zero3_models import MLP, vec_batch, vec_loss
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder
@@ -325,3 +325,35 @@ def test_a_second_backward_on_every_rank_is_refused_and_training_goes_on(pools: 
     for r in pools.run(2, run_double_backward, how, 0, "all", timeout=90):
         assert r["caught"].startswith("BackwardTwice: backward ran twice after one forward"), r["caught"]
         assert len(r["losses"]) == 4, r
+
+
+def run_direct_calls(ctx: Any) -> list[tuple[float, float]]:
+    """The model called directly (``model(x)``, ``loss.backward()``) and through the engine, alternately."""
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    engine = zero3.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), zero3.Zero3Config(param_persistence_threshold=0),
+                              ctx.group)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference, process_group=ctx.group)
+    ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        batch = vec_batch(ctx.rank, step, 0, 0)
+        loss = vec_loss(model if step % 2 == 0 else engine, batch, step)
+        loss.backward()
+        engine.step()
+        ddp_loss = vec_loss(ddp, batch, step)
+        ddp_loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+        losses.append((float(loss), float(ddp_loss)))
+    return losses
+
+
+def test_direct_model_calls_count_as_forwards(pools: Any) -> None:
+    """A forward of the model itself allows its backward, as one through the engine does."""
+    for losses in pools.run(2, run_direct_calls):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-6, losses

@@ -49,7 +49,7 @@ class BackwardPass:
         self.watch, self.agreement, self.training_state = watch, agreement, training_state
         self._queued = False
         #: refuses a second backward over one forward (see ``zero3.backward_once``)
-        self.once = OneBackwardPerForward(watch, hooks, record)
+        self.once = OneBackwardPerForward(watch, hooks, record, coordinator.root)
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed

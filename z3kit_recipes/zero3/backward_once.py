@@ -14,8 +14,11 @@ Note: why a second backward is refused.
     within a fraction of a second.
 
 Note: what counts as a forward and as a backward.
-    A forward through the engine with grad enabled allows one backward;
-    several forwards whose losses are summed still take one. A backward
+    A forward of the model with grad enabled, through the engine or by
+    calling the model itself, allows one backward (a root forward hook
+    counts it; the recomputations of activation checkpointing run inside
+    backward and do not count); several forwards whose losses are summed
+    still take one. A backward
     starts at the first of the engine's hooks that the outermost backward
     reaches (``BackwardPass.queue_epilogue``): the inner backwards that
     reentrant activation checkpointing runs inside it are part of it, not
@@ -24,7 +27,12 @@ Note: what counts as a forward and as a backward.
 
 from __future__ import annotations
 
-from z3kit.hooks import ModuleHooks
+from typing import Any
+
+import torch
+from torch import nn
+
+from z3kit.hooks import ModuleHooks, in_backward, outside_graphs
 from z3kit_recipes.zero3.agreement import StepRecord
 from z3kit_recipes.zero3.ranks import RankWatch
 
@@ -42,13 +50,16 @@ class BackwardTwice(RuntimeError):
 class OneBackwardPerForward:
     """Whether a forward ran since the last backward (see the module Notes)."""
 
-    def __init__(self, watch: RankWatch, hooks: ModuleHooks, record: StepRecord) -> None:
+    def __init__(self, watch: RankWatch, hooks: ModuleHooks, record: StepRecord, root: nn.Module) -> None:
         self.watch, self.hooks, self.record = watch, hooks, record
         self._forward_pending = False
 
-    def forward_ran(self) -> None:
-        """A forward with grad enabled ran: one backward may follow."""
-        self._forward_pending = True
+        @outside_graphs
+        def forward_starts(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled() and not in_backward():
+                self._forward_pending = True  # one backward may follow
+
+        self._handle = root.register_forward_pre_hook(forward_starts)
 
     def check(self) -> None:
         """Refuse a backward now (``engine.backward``, before it starts)."""

@@ -76,8 +76,6 @@ class Zero3Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.watch.check("forward")
         self.parts.model_watch.check_parameters()
-        if torch.is_grad_enabled():
-            self.parts.backward.once.forward_ran()
         dtype = self.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))

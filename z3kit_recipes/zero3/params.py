@@ -314,6 +314,11 @@ class ParamCoordinator:
     def _name_of_key(self, key: int) -> str:
         return repr(self.names[list(self.module_params)[key]])
 
+    @property
+    def root(self) -> nn.Module:
+        """The model: the first hooked module."""
+        return next(iter(self.module_params))
+
     def position(self) -> int:
         """Forward fetches done in this step; a large number once backward began."""
         return len(self._forward) if self._schedule is None else 1 << 40
