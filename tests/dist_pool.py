@@ -38,6 +38,15 @@ class WorkerContext:
     group: Any  # torch.distributed.ProcessGroup (the world group, passed explicitly)
 
 
+def fresh_group(ctx: WorkerContext) -> Any:
+    """A process group of its own over the pool's ranks: a test that leaves
+    collectives unfinished (a rank raised while another waited) does not
+    poison the pool's group for the tests after it."""
+    import torch.distributed as dist
+
+    return dist.new_group(ranks=list(range(ctx.world)), use_local_synchronization=True)
+
+
 #: the result of a rank whose process exited (``DistPool.run(..., lost_ok=True)``)
 LOST = "<process exited>"
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.dist_pool import fresh_group
 from tests.zero3_models import D_IN, D_OUT, HIDDEN, MLP, vec_batch
 
 
@@ -203,7 +204,7 @@ def run_rank_branch(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=ctx.group,
                                               find_unused_parameters=True)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    group = dist_fresh_group(ctx)
+    group = fresh_group(ctx)
     config = dict(config)
     leaves = [model.side] if config.pop("side_is_leaf", False) else []
     engine = zero3.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3), zero3.Zero3Config(**config), group,
@@ -225,13 +226,6 @@ def run_rank_branch(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
         losses.append((float(loss), float(ref_loss)))
     return {"losses": losses, "calls": calls, "params": engine.full_state_dict(),
             "ref": {n: p.detach().clone() for n, p in ref.module.named_parameters()}}
-
-
-def dist_fresh_group(ctx: Any) -> Any:
-    """A group of its own: a test that leaves collectives unfinished does not touch the pool's."""
-    import torch.distributed as dist
-
-    return dist.new_group(ranks=list(range(ctx.world)), use_local_synchronization=True)
 
 
 @pytest.mark.parametrize(("world", "config"), [
@@ -266,7 +260,7 @@ def run_one_rank_fails(ctx: Any) -> dict[str, Any]:
 
     torch.manual_seed(1)
     engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0),
-                              dist_fresh_group(ctx))
+                              fresh_group(ctx))
     b = vec_batch(ctx.rank, 0, 0, 0)
     engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
     engine.step()
@@ -334,7 +328,7 @@ def run_extra_call(ctx: Any, threshold: int, every_fetch: str = "") -> dict[str,
     if every_fetch == "env":
         os.environ["Z3KIT_CHECK_EVERY_FETCH"] = "1"
     try:
-        engine = zero3.initialize(Repeat(), torch.optim.Adam, config, dist_fresh_group(ctx))
+        engine = zero3.initialize(Repeat(), torch.optim.Adam, config, fresh_group(ctx))
     finally:
         os.environ.pop("Z3KIT_CHECK_EVERY_FETCH", None)
     start = time.monotonic()
@@ -377,7 +371,7 @@ def run_rank_dies_or_stalls(ctx: Any, victim: int, how: str) -> dict[str, Any]:
 
     torch.manual_seed(4)
     engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0,
-                              collective_timeout_s=1.5), dist_fresh_group(ctx))
+                              collective_timeout_s=1.5), fresh_group(ctx))
     caught, start = "", time.monotonic()
     try:
         for step in range(3):
@@ -423,7 +417,7 @@ def run_extra_backward(ctx: Any) -> dict[str, Any]:
 
     torch.manual_seed(6)
     engine = zero3.initialize(MLP(), torch.optim.Adam, zero3.Zero3Config(param_persistence_threshold=0,
-                              gradient_accumulation_steps=2, collective_timeout_s=20.0), dist_fresh_group(ctx))
+                              gradient_accumulation_steps=2, collective_timeout_s=20.0), fresh_group(ctx))
     caught = ""
     try:
         for step in range(3):

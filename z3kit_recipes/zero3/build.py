@@ -25,6 +25,7 @@ from z3kit.leaf import LeafModuleHook
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
+from z3kit.shard import ParamStatus
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3.agreement import StepRecord
@@ -41,11 +42,12 @@ from z3kit_recipes.zero3.model_watch import ModelWatch, place_buffers
 from z3kit_recipes.zero3.optim_step import OptimizerStep
 from z3kit_recipes.zero3.param_use import ParamUseMode
 from z3kit_recipes.zero3.params import ParamCoordinator
-from z3kit_recipes.zero3.phase import TrainingState
+from z3kit_recipes.zero3.phase import Phase, TrainingState
 from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
 from z3kit_recipes.zero3.stats import StepStats
 from z3kit_recipes.zero3.timeline import Timeline
 from z3kit_recipes.zero3.trainable import OptimizerFactory, TrainableWatch
+from z3kit_recipes.zero3.uneven import IDLE_POSITION, EvalMeeting
 
 StreamPairFactory = Callable[[torch.device], StreamPairLike]
 
@@ -95,6 +97,7 @@ class EngineParts:
     reducer: GradReducer | None
     hooks: ModuleHooks
     forward_context: ForwardContext
+    meeting: EvalMeeting
     backward: BackwardPass
     optimizer_step: OptimizerStep | None
     trainable_watch: TrainableWatch
@@ -123,7 +126,7 @@ def assemble(
         group,
         timeout_s=config.collective_timeout_s,
         describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
-        position=lambda: (state.micro_step, holder["coordinator"].position()),
+        position=lambda: (state.micro_step, _position(state, holder["coordinator"], holder["meeting"])),
     )
 
     # the layout is allocated empty and the optimizer built on it; a factory
@@ -162,6 +165,12 @@ def assemble(
         timeline=timeline, check_every_fetch=config.checks_every_fetch,
     )
     holder["coordinator"] = coordinator
+    holder["meeting"] = EvalMeeting(
+        module, watch, micro_step=lambda: state.micro_step,
+        # a gather in flight (persistent ones refreshed after a step) was issued by every rank alike
+        gathers_needed=lambda: any(s.status is ParamStatus.NOT_AVAILABLE for s in layout.shards),
+        in_training_step=lambda: coordinator.tracing or state.phase is not Phase.IDLE,
+    )
 
     # the gradient path
     reduce_streams = stream_pairs(device)
@@ -201,6 +210,7 @@ def assemble(
         optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
         coordinator=coordinator, reducer=reducer, hooks=hooks,
+        meeting=holder["meeting"],
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
         trainable_watch=TrainableWatch(
@@ -208,6 +218,13 @@ def assemble(
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,
         ),
     )
+
+
+def _position(state: TrainingState, coordinator: ParamCoordinator, meeting: EvalMeeting) -> int:
+    """Where this rank is in its micro-step, for the notice board (``RankWatch.position``)."""
+    if meeting.current is not None:
+        return meeting.current
+    return IDLE_POSITION if state.phase is Phase.IDLE else coordinator.position()
 
 
 def _build_optimizer(

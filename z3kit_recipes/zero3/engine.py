@@ -284,6 +284,15 @@ class Zero3Engine:
 
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
+    def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
+        """The model's Hugging Face ``generate`` on every rank in lockstep
+        (collective: call it on every rank). ``rank=r``: rank r's arguments
+        and sampling seed are used everywhere, and only rank r gets the
+        result (the others get None); see ``zero3.generate``."""
+        from z3kit_recipes.zero3.generate import generate
+
+        return generate(self, args, kwargs, rank)
+
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> Zero3Stats:
         return collect_stats(self.parts)

@@ -36,6 +36,19 @@ WAITING = "waiting: "
 LEFT = "left: "
 #: how long a rank that found trouble gives the others to post their side
 ANSWER_S = 3.0
+#: what trace departures (index >= 0) advise
+_TRACE_ADVICE = ("every rank must run the same modules in the same order (a rank-dependent subtree can be marked as a "
+                 "leaf module, gathered as one unit)")
+
+
+def departure_place(where: tuple[int, int]) -> str:
+    """Where a rank left the run the others follow: a forward fetch of a
+    micro-step, or (a negative index) a point before that micro-step's
+    forward: an unfreeze, an eval forward (``zero3.uneven``)."""
+    micro, index = where
+    if index >= 0:
+        return f"left the recorded step at fetch #{index} of micro-step {micro}"
+    return f"after {micro} backward(s)"
 
 
 class RankFailed(RanksDisagree):
@@ -132,16 +145,15 @@ class RankWatch:
             for n in self.board.unread():
                 self._remember(n)
                 if n.message.startswith((FAILED, WAITING)):
-                    self.broken = (f"rank {self.rank} left the recorded step at fetch #{where[1]}: {what}; rank {n.rank} "
-                                   f"{n.message.split(': ', 1)[1]}")
+                    self.broken = f"rank {self.rank} {departure_place(where)}: {what}; {_quoted(n)}"
                     raise RankFailed(self.broken)
             alike = {r for r, at, did in self._left if at == where and did == what}
             if len(alike) == self.world - 1:
                 self._left = [entry for entry in self._left if entry[1] != where]
                 return
             time.sleep(0.002)
-        self._fail_together(f"rank {self.rank} left the recorded step at fetch #{where[1]} ({what}) and the others "
-                            f"did not answer within {self.timeout_s:.0f} s")
+        self._fail_together(f"rank {self.rank} {departure_place(where)}: {what}; the others did not do the same "
+                            f"within {self.timeout_s:.0f} s (collective_timeout_s)")
 
     def _remember(self, notice: Notice) -> None:
         if notice.message.startswith(LEFT):
@@ -161,12 +173,11 @@ class RankWatch:
         passed = [(r, at, what) for r, at, what in self._left if here > at]
         if passed:  # another rank left the trace at a point this one went through as recorded
             r, at, what = passed[0]
-            self.broken = (f"rank {r} left the recorded step at fetch #{at[1]} of micro-step {at[0]}: {what}; rank "
-                           f"{self.rank} went on as recorded ({self.describe()})")
+            self.broken = (f"rank {r} {departure_place(at)}: {what}; rank {self.rank} went on without it "
+                           f"({self.describe()})")
             if self.board is not None:
                 self.board.post(f"{WAITING}{self.broken}")
-            raise RankFailed(f"{self.broken}; every rank must run the same modules in the same order (a "
-                             "rank-dependent subtree can be marked as a leaf module, gathered as one unit)")
+            raise RankFailed(self.broken + (f"; {_TRACE_ADVICE}" if at[1] >= 0 else ""))
         failures = [n for n in notices if n.message.startswith((FAILED, WAITING))]
         if not failures:
             return
