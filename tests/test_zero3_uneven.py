@@ -14,6 +14,7 @@ refused on every rank within seconds, naming what each rank did.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -122,3 +123,91 @@ def test_generate_on_one_rank(pools: Any, world: int) -> None:
     assert torch.equal(results[0]["out"], results[0]["want"])
     assert results[0]["sampled"].shape == (1, 10)
     assert all(r["out"] is None and r["sampled"] is None for r in results[1:])
+
+
+# --------------------------------------------------------------------------- #
+# engine.join(): different numbers of batches
+# --------------------------------------------------------------------------- #
+
+
+def _batches(rank: int) -> int:
+    return 5 if rank == 0 else 3
+
+
+def run_join_training(ctx: WorkerContext, accumulation: int, reference: str) -> dict[str, Any]:
+    """Rank 0 has 5 optimizer steps of batches, the others 3. The reference is
+    DDP under ``torch.distributed.algorithms.Join`` (``"ddp_join"``), or DDP
+    whose finished ranks keep stepping with a zero loss on their last batch
+    (``"ddp_zero_loss"``): what ``engine.join`` promises, and what DDP's Join
+    computes without gradient accumulation."""
+    from torch.distributed.algorithms.join import Join
+
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(0)
+    model = MLP()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=ctx.group)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    config = zero3.Zero3Config(param_persistence_threshold=0, gradient_accumulation_steps=accumulation)
+    engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-2), config, ctx.group)
+    mine, everyone = _batches(ctx.rank) * accumulation, _batches(0) * accumulation
+    losses, ref_losses = [], []
+    with engine.join():
+        for step in range(mine):
+            b = vec_batch(ctx.rank, step, 0, 0)
+            loss = F.mse_loss(engine(b["x"]), b["y"])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+    with engine.join(), torch.no_grad():  # uneven evals: a block of their own, or they would meet training forwards
+        evals = [engine(vec_batch(0, 90 + i, 0, 0)["x"]) for i in range(ctx.rank + 1)]
+    with Join([ref]) if reference == "ddp_join" else contextlib.nullcontext():
+        for step in range(mine if reference == "ddp_join" else everyone):
+            b = vec_batch(ctx.rank, min(step, mine - 1), 0, 0)
+            ref_loss = F.mse_loss(ref(b["x"]), b["y"]) / accumulation
+            (ref_loss if step < mine else ref_loss * 0.0).backward()
+            if (step + 1) % accumulation == 0:
+                ref_opt.step()
+                ref_opt.zero_grad()
+            if step < mine:
+                ref_losses.append(float(ref_loss) * accumulation)
+    state = engine.full_state_dict()
+    plain = copy.deepcopy(ref.module)
+    with torch.no_grad():
+        want_evals = [plain(vec_batch(0, 90 + i, 0, 0)["x"]) for i in range(ctx.rank + 1)]
+    return {"losses": losses, "ref_losses": ref_losses, "state": state,
+            "ref": {n: p.detach().clone() for n, p in ref.module.named_parameters()},
+            "evals": [torch.allclose(a, b, atol=1e-6) for a, b in zip(evals, want_evals)],
+            "steps": engine.stats().global_step}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("accumulation", "reference"), [(1, "ddp_join"), (2, "ddp_zero_loss")])
+def test_join_trains_uneven_batches_like_ddp(pools: Any, world: int, accumulation: int, reference: str) -> None:
+    from tests.zero3_models import assert_params_match
+
+    results = pools.run(world, run_join_training, accumulation, reference)
+    for rank, r in enumerate(results):
+        assert len(r["losses"]) == _batches(rank) * accumulation
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, r["losses"], r["ref_losses"])
+        assert_params_match(r["state"], r["ref"])
+        assert all(r["evals"]) and r["steps"] == 5  # every rank took every optimizer step
+    assert_params_match(results[0]["state"], results[-1]["state"])
+
+
+def run_join_refused(ctx: WorkerContext) -> str:
+    engine = _engine(ctx, MLP())
+    try:
+        with engine.join():
+            if ctx.rank == 0:  # rank 1 runs nothing: it has no forward to repeat
+                _train_step(engine, 0, ctx.rank)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_join_without_a_batch_to_repeat_is_refused_on_every_rank(pools: Any) -> None:
+    for msg in pools.run(2, run_join_refused, timeout=60):
+        assert msg.startswith("JoinRefused: rank(s) [1] finished their batches inside engine.join() without running a "
+                              "training forward"), msg

@@ -30,6 +30,7 @@ from torch import nn
 from z3kit.hooks import map_tensors
 from z3kit_recipes.zero3 import weights
 from z3kit_recipes.zero3.build import EngineParts
+from z3kit_recipes.zero3.join import Join
 from z3kit_recipes.zero3.phase import Phase
 from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
 from z3kit_recipes.zero3.stats import Zero3Stats, collect_stats
@@ -51,6 +52,7 @@ class Zero3Engine:
         self.trace, self.training_state, self.watch = parts.trace, parts.training_state, parts.watch
         #: the knobs ``config.memory_budget`` was turned into, when it is set
         self.memory_plan = parts.memory_plan
+        self._join: Join | None = None
 
     @property
     def global_step(self) -> int:
@@ -76,13 +78,15 @@ class Zero3Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.watch.check("forward")
         self.parts.model_watch.check_parameters()
-        dtype = self.config.torch_dtype
-        if dtype != torch.float32:
-            args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
         # A traced training step is a grad-enabled forward in train mode. An
         # eval() forward with grad on is usually not followed by a backward,
         # so it must not keep parameters gathered for one.
         training = torch.is_grad_enabled() and self.module.training
+        if self._join is not None:  # before any collective of the forward (see zero3.join)
+            self._join.before_forward(training, args, kwargs)
+        dtype = self.config.torch_dtype
+        if dtype != torch.float32:
+            args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
         if training:
             try:
                 self.parts.trainable_watch.follow()
@@ -167,6 +171,22 @@ class Zero3Engine:
         """Discard the gradients accumulated since the last optimizer step."""
         if self.reducer is not None:
             self.reducer.end_window()
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Ranks with different numbers of batches (eval, or the last training
+        ones), in the manner of ``torch.distributed.algorithms.Join``: wrap
+        each rank's loop; a rank whose loop ends repeats its last forward of
+        the kind the others run until every loop has ended (see ``zero3.join``)."""
+        if self._join is not None:
+            raise RuntimeError("engine.join() blocks do not nest")
+        self._join = Join(self)
+        try:
+            with self.parts.meeting.lockstep():  # the rounds keep the ranks' forwards together
+                yield
+                self._join.shadow()
+        finally:
+            self._join = None
 
     # -- full parameters on demand ----------------------------------------------------------
     @contextlib.contextmanager
