@@ -138,7 +138,7 @@ def commit(staging: Staging, metadata: dict[str, Any], together: Together) -> No
         os.replace(tmp, staging.path / MANIFEST)
         _rename_into_place(staging)
 
-    together.decided(write_and_rename)
+    together.decided(write_and_rename, f"{staging.what}: writing the manifest and renaming {staging.path} to {staging.final}")
 
 
 def _rename_into_place(staging: Staging) -> None:

@@ -14,7 +14,6 @@ dies gives ``RankFailed`` on the others within seconds.
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from z3kit.collectives import ProcessGroup
 from z3kit_recipes.zero3.agreement import RanksDisagree
+from z3kit_recipes.zero3.target import SaveRefused
 
 if TYPE_CHECKING:
     from z3kit_recipes.zero3.engine import Zero3Engine
@@ -31,8 +31,10 @@ T = TypeVar("T")
 
 #: error types raised again as themselves on every rank; any other becomes a RuntimeError (the types
 #: travel by name, and these are the ones a save or load raises that take one message)
-_KEPT = ("ValueError", "OSError", "FileExistsError", "FileNotFoundError", "NotADirectoryError",
-         "IsADirectoryError", "PermissionError")
+_KEPT: dict[str, type[Exception]] = {t.__name__: t for t in (
+    ValueError, OSError, FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+    SaveRefused,
+)}
 
 
 def _plain(fn: Callable[[], Any]) -> Any:
@@ -84,10 +86,11 @@ class Together:
             raise _error_type(first_type)(f"{what} failed {details}")
         return value  # type: ignore[return-value]  # fn returned it
 
-    def decided(self, fn: Callable[[], T]) -> T:
+    def decided(self, fn: Callable[[], T], what: str | None = None) -> T:
         """Run ``fn`` on rank 0 only (a decision, or a step of its own) and hand
-        every rank its result, or raise its error, with rank 0's message, on
-        every rank."""
+        every rank its result, or raise its error on every rank: as ``what``
+        failed on rank 0, or, without ``what``, with rank 0's own message (a
+        decision that names what it refuses)."""
         outcome: tuple[str, Any] | None = None
         if self.rank == 0:
             try:
@@ -98,12 +101,10 @@ class Together:
                 outcome = (type(exc).__name__, str(exc))
         status, value = self.exchange(outcome)[0]
         if status != "ok":
-            raise _error_type(status)(value)
+            raise _error_type(status)(value if what is None else f"{what} failed on rank 0: {status}: {value}")
         out: T = value
         return out
 
 
 def _error_type(name: str) -> type[Exception]:
-    kind = getattr(builtins, name) if name in _KEPT else RuntimeError
-    assert isinstance(kind, type) and issubclass(kind, Exception)
-    return kind
+    return _KEPT.get(name, RuntimeError)
