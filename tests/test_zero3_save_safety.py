@@ -54,7 +54,7 @@ OTHER = {"save_checkpoint": "save_pretrained", "save_pretrained": "save_checkpoi
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", ["save_checkpoint", "save_pretrained"])
-@pytest.mark.parametrize("found", ["user folder", "file", "other kind", "earlier save with a user file"])
+@pytest.mark.parametrize("found", ["user folder", "file", "other kind", "earlier save with a user file", "symlink"])
 def test_a_save_onto_what_it_did_not_write_is_refused_and_writes_nothing(
     pools: Any, world: int, method: str, found: str, tmp_path: Path
 ) -> None:
@@ -65,6 +65,9 @@ def test_a_save_onto_what_it_did_not_write_is_refused_and_writes_nothing(
         (target / "sub" / "data.bin").write_bytes(b"\0\1\2")
     elif found == "file":
         target.write_text("a file of mine")
+    elif found == "symlink":
+        (tmp_path / "real").mkdir()
+        target.symlink_to(tmp_path / "real")  # even to an empty folder: replacing the link is not what was asked
     else:
         assert pools.run(world, run_save, OTHER[method] if found == "other kind" else method, str(target)) == ["saved"] * world
         if found != "other kind":
@@ -75,7 +78,7 @@ def test_a_save_onto_what_it_did_not_write_is_refused_and_writes_nothing(
     assert errors[0].startswith("SaveRefused: ") and f"{method}({str(target)!r}): refused, nothing was written" in errors[0]
     assert snapshot(tmp_path) == before  # nothing written, nothing moved, no staging folder left
     hint = {"user folder": "z3kit did not write", "file": "is a file", "other kind": "replaces only an earlier",
-            "earlier save with a user file": "notes.txt"}[found]
+            "earlier save with a user file": "notes.txt", "symlink": "is a symbolic link"}[found]
     assert hint in errors[0], errors[0]
 
 
@@ -130,6 +133,15 @@ def test_the_working_directory_and_paths_above_it_are_refused(pools: Any, tmp_pa
     for path, error in zip(paths, per_rank[0]):
         assert error.startswith(f"SaveRefused: save_checkpoint({path!r}): refused, nothing was written"), error
         assert "name a folder below it" in error
+    assert snapshot(tmp_path) == before
+
+
+def test_a_folder_whose_parent_cannot_hold_the_staging_folder_is_refused(pools: Any, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("mine")
+    before = snapshot(tmp_path)
+    errors = pools.run(2, run_save, "save_checkpoint", str(tmp_path / "a_file" / "ckpt"))
+    assert errors[0] == errors[1] and errors[0].startswith("OSError: save_checkpoint("), errors
+    assert "cannot create the staging folder" in errors[0] and "nothing was written" in errors[0]
     assert snapshot(tmp_path) == before
 
 

@@ -92,7 +92,18 @@ def staged(path: str | os.PathLike[str], kind: str, what: str, together: Togethe
     save's to replace (``target``). If the block raises, on any rank, the
     staging directory is removed (every rank tries: whichever is still there)."""
     final = Path(path)
-    staging = Staging(together.decided(lambda: _prepare(final, kind, what)), final, kind, what)
+    made: list[Path] = []  # rank 0's staging folder, to remove should the exchange of its name fail
+
+    def prepare() -> Path:
+        made.append(_prepare(final, kind, what))
+        return made[0]
+
+    try:
+        staging = Staging(together.decided(prepare), final, kind, what)
+    except BaseException:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     try:
         yield staging
     except BaseException:

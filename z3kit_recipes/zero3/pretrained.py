@@ -11,8 +11,10 @@ tensors are all reported, by name, before anything changes.
 ``save_pretrained`` writes the full parameters (and persistent buffers) in
 that layout, gathered one parameter at a time and written by rank 0 as they
 arrive (see ``safetensors_io``), into files of at most ``max_shard_bytes``,
-committed like a checkpoint (``commit``): ``transformers``'
-``from_pretrained`` loads the result.
+committed like a checkpoint (``commit``), with a manifest of kind
+``hugging-face weights``, which lets a later export replace it (and
+nothing else: ``target``): ``transformers``' ``from_pretrained`` loads the
+result.
 """
 
 from __future__ import annotations
