@@ -72,9 +72,10 @@ class Together:
     def agreed(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` (local work, no collectives) on every rank, then raise on
         every rank if it failed on any; returns this rank's result."""
-        value: T | None = None
+        result: list[T] = []  # empty when fn raised
+        failure: tuple[str, str] | None = None
         try:
-            value, failure = fn(), None
+            result.append(fn())
         except RanksDisagree:
             raise  # every rank's already
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -84,7 +85,7 @@ class Together:
             first_type = failed[0][1][0]
             details = "; ".join(f"on rank {rank}: {name}: {message}" for rank, (name, message) in failed)
             raise _error_type(first_type)(f"{what} failed {details}")
-        return value  # type: ignore[return-value]  # fn returned it
+        return result[0]
 
     def decided(self, fn: Callable[[], T], what: str | None = None) -> T:
         """Run ``fn`` on rank 0 only (a decision, or a step of its own) and hand
