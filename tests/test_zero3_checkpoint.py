@@ -148,11 +148,16 @@ def run_interrupted_save(ctx: Any, root: str) -> dict[str, Any]:
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(pools: Any, tmp_path: Path) -> None:
+    import shutil
+
     root = tmp_path / "ckpt"
     for r in pools.run(2, run_interrupted_save, str(root)):
         assert r["client"] == {"which": "first"}
-    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
-    assert not (partial / "z3kit_manifest.json").exists()  # recognizably incomplete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the interrupted save's staging folder removed
+    # what a killed save leaves (no manifest) is recognizably incomplete
+    partial = tmp_path / ".ckpt.partial-killed"
+    shutil.copytree(root, partial)
+    (partial / "z3kit_manifest.json").unlink()
     err = pools.run(2, run_load_error, str(partial))[0]
     assert "no z3kit_manifest.json" in err and "did not finish" in err
 

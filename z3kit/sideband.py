@@ -19,6 +19,7 @@ Note: the cost.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,3 +118,36 @@ class WatchedWait:
                 self.on_timeout(now - start)
                 start = now  # on_timeout returned: keep waiting, and ask again after another timeout
         return wait()
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[Callable[[float], bool], Callable[[], Any]]:
+    """``fn``, a blocking call that offers no handle to wait on (an object
+    collective, a whole ``torch.distributed.checkpoint`` save), started in a
+    thread of its own, as the ``(done, wait)`` pair of ``WatchedWait.wait``:
+    so that the caller can read the notice board while it blocks.
+
+    The thread is a daemon: when the wait gives up (another rank failed),
+    the call may stay blocked in its collective until the process group's
+    own timeout, and must not keep the process from exiting meanwhile."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="z3kit-blocking-call", daemon=True)
+    thread.start()
+
+    def done(timeout_s: float) -> bool:
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def wait() -> Any:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return done, wait

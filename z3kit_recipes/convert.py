@@ -27,9 +27,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from z3kit_recipes.zero3.commit import commit, read_manifest, staging_path, verify
+from z3kit_recipes.zero3.commit import CHECKPOINT_KIND, EXPORT_KIND, commit, read_manifest, staged, verify
 from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
 from z3kit_recipes.zero3.safetensors_io import Planned, StreamingWriter, file_names, plan_files, write_index
+from z3kit_recipes.zero3.together import Together
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -63,8 +64,8 @@ def convert(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = D
     """Write ``checkpoint``'s parameters (and persistent buffers) to ``out`` in
     the Hugging Face layout; returns ``out``."""
     root, final = Path(checkpoint), Path(out)
-    manifest = read_manifest(root)
-    verify(root, manifest, None)
+    manifest = read_manifest(root, CHECKPOINT_KIND)
+    verify(root, manifest, Together(None))
     stored = FileSystemReader(str(root)).read_metadata().state_dict_metadata
     entries: list[tuple[str, str, tuple[int, ...], torch.dtype]] = []  # (name, key, shape, saved dtype)
     for p in manifest["params"]:
@@ -79,19 +80,19 @@ def convert(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = D
     planned = [Planned(name, shape, target_dtype(saved)) for name, _, shape, saved in entries]
     files = plan_files(planned, max_shard_bytes)
     by_name = {name: (key, shape, saved) for name, key, shape, saved in entries}
-    staging = staging_path(final, None)
-    for file_name, group in zip(file_names(len(files)), files):
-        writer = StreamingWriter(staging / file_name, group)
-        for t in group:
-            key, shape, saved = by_name[t.name]
-            writer.write(t.name, _read(str(root), key, shape, saved).to(t.dtype))
-        writer.close()
-    if len(files) > 1:
-        write_index(staging, files)
-    hf_config: dict[str, Any] | None = manifest.get("hf_config")
-    if hf_config is not None:
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True, default=str))
-    commit(staging, final, {"kind": "hugging-face weights", "from": str(root)}, None)
+    with staged(final, EXPORT_KIND, "convert", Together(None)) as staging:
+        for file_name, group in zip(file_names(len(files)), files):
+            writer = StreamingWriter(staging.path / file_name, group)
+            for t in group:
+                key, shape, saved = by_name[t.name]
+                writer.write(t.name, _read(str(root), key, shape, saved).to(t.dtype))
+            writer.close()
+        if len(files) > 1:
+            write_index(staging.path, files)
+        hf_config: dict[str, Any] | None = manifest.get("hf_config")
+        if hf_config is not None:
+            (staging.path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True, default=str))
+        commit(staging, {"from": str(root)}, Together(None))
     return final
 
 
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m z3kit_recipes.convert",
                                 description="z3kit checkpoint -> Hugging Face safetensors layout, on one process.")
     p.add_argument("checkpoint", help="a folder written by engine.save_checkpoint")
-    p.add_argument("out", help="the folder to write (replaced whole if it exists)")
+    p.add_argument("out", help="the folder to write (new, empty, or an earlier export, which it replaces)")
     p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                    help="largest safetensors file (default 5GB, Hugging Face's)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = convert(args.checkpoint, args.out, max_shard_bytes=args.max_shard_size,
                       dtype=None if args.dtype is None else DTYPES[args.dtype])
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

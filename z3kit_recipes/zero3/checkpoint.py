@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from z3kit_recipes.zero3.commit import commit, read_manifest, staging_path, verify
+from z3kit_recipes.zero3.commit import CHECKPOINT_KIND, commit, read_manifest, staged, verify
 from z3kit_recipes.zero3.pretrained import persistent_buffers
+from z3kit_recipes.zero3.together import Together
 
 if TYPE_CHECKING:
     from z3kit_recipes.zero3.engine import Zero3Engine
@@ -81,6 +82,7 @@ def _mesh(engine: Zero3Engine) -> DeviceMesh:
 def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_state: dict[str, Any] | None) -> None:
     """Write the engine's training state under ``path`` (collective; see the module docstring)."""
     engine.check_idle("save_checkpoint")
+    engine.watch.check("save_checkpoint")
     mesh, layout = _mesh(engine), engine.layout
     state: dict[str, Any] = {}
     params_meta = []
@@ -107,15 +109,8 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
     state["client_state"] = (dict(client_state or {}),)
     state[f"rng.rank{engine.rank}"] = (_random_state(engine.device),)
     global_step, micro_step = engine.progress()
-    final = Path(path)
-    staging = staging_path(final, engine.group)
-    # one file per tensor: DCP keeps every tensor of a file alive until the file
-    # is written (and reads a file whole), so files of one tensor bound the peak
-    writer = FileSystemWriter(str(staging), single_file_per_rank=False)
-    dcp_save(state, storage_writer=writer, process_group=engine.group)
     metadata = {
         "version": FORMAT_VERSION,
-        "kind": "z3kit checkpoint",
         "world": engine.world,
         "global_step": global_step,
         "micro_step": micro_step,
@@ -124,7 +119,13 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
         "params": params_meta,
         "hf_config": _hf_config(engine),
     }
-    commit(staging, final, metadata, engine.group)
+    together = Together.of(engine)
+    with staged(path, CHECKPOINT_KIND, "save_checkpoint", together) as staging:
+        # one file per tensor: DCP keeps every tensor of a file alive until the file
+        # is written (and reads a file whole), so files of one tensor bound the peak
+        writer = FileSystemWriter(str(staging.path), single_file_per_rank=False)
+        together.call(lambda: dcp_save(state, storage_writer=writer, process_group=engine.group))
+        commit(staging, metadata, together)
 
 
 def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -132,8 +133,10 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
     (collective); returns the saved ``client_state``."""
     engine.check_idle("load_checkpoint")
     root = Path(path)
-    manifest = read_manifest(root)
-    verify(root, manifest, engine.group)
+    manifest = read_manifest(root, CHECKPOINT_KIND)
+    _check_format(root, manifest)
+    together = Together.of(engine)
+    verify(root, manifest, together)
     entries = _entries(engine)
     _check_same_model(manifest, entries, engine)
     if manifest["open_window"] and manifest["config"]["gradient_accumulation_steps"] != engine.config.gradient_accumulation_steps:
@@ -181,7 +184,7 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
     same_world = manifest["world"] == engine.world
     if same_world:
         state[f"rng.rank{engine.rank}"] = (None,)
-    dcp_load(state, storage_reader=FileSystemReader(str(root)), process_group=engine.group)
+    together.call(lambda: dcp_load(state, storage_reader=FileSystemReader(str(root)), process_group=engine.group))
 
     # everything read: put it in place
     for e in entries:
@@ -201,6 +204,16 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
     engine.shards_changed()
     client: dict[str, Any] = state["client_state"][0]
     return client
+
+
+def _check_format(root: Path, manifest: dict[str, Any]) -> None:
+    """A manifest this version reads, with every field it reads (a clear error before anything changes)."""
+    wanted = ("world", "global_step", "micro_step", "open_window", "config", "params")
+    missing = [k for k in wanted if k not in manifest]
+    if manifest.get("version") != FORMAT_VERSION or missing:
+        raise ValueError(f"{root}: its manifest is of format version {manifest.get('version')!r}"
+                         + (f" and lacks {', '.join(missing)}" if missing else "")
+                         + f"; this z3kit reads version {FORMAT_VERSION}")
 
 
 def _check_same_model(manifest: dict[str, Any], entries: list[_Entry], engine: Zero3Engine) -> None:

@@ -11,8 +11,10 @@ tensors are all reported, by name, before anything changes.
 ``save_pretrained`` writes the full parameters (and persistent buffers) in
 that layout, gathered one parameter at a time and written by rank 0 as they
 arrive (see ``safetensors_io``), into files of at most ``max_shard_bytes``,
-committed like a checkpoint (``commit``): ``transformers``'
-``from_pretrained`` loads the result.
+committed like a checkpoint (``commit``), with a manifest of kind
+``hugging-face weights``, which lets a later export replace it (and
+nothing else: ``target``): ``transformers``' ``from_pretrained`` loads the
+result.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from z3kit.validate import check_int
-from z3kit_recipes.zero3.commit import commit, staging_path
+from z3kit_recipes.zero3.commit import EXPORT_KIND, commit, staged
+from z3kit_recipes.zero3.target import CHECKPOINT_KIND, manifest_kind
+from z3kit_recipes.zero3.together import Together
 from z3kit_recipes.zero3.safetensors_io import (
     Planned,
     StreamingWriter,
@@ -68,6 +71,9 @@ def _listed(kind: str, names: list[str]) -> str:
 def load_pretrained(engine: Zero3Engine, path: str | os.PathLike[str]) -> None:
     """Load a Hugging Face checkpoint into the engine's shards (see the module docstring)."""
     engine.check_idle("load_pretrained")
+    if manifest_kind(Path(path)) == CHECKPOINT_KIND:
+        raise ValueError(f"{path} is a z3kit training checkpoint (save_checkpoint), not Hugging Face weights: "
+                         "load it with engine.load_checkpoint, or convert it with python -m z3kit_recipes.convert")
     stored = index_of(path)
     aliases = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
@@ -117,6 +123,7 @@ def save_pretrained(
     Trainable parameters come from the fp32 masters, frozen ones in the
     compute dtype; ``dtype`` converts every floating-point tensor."""
     engine.check_idle("save_pretrained")
+    engine.watch.check("save_pretrained")
     check_int("max_shard_bytes", max_shard_bytes, at_least=1)
     group, rank = engine.group, engine.rank
     names = names_by_param(engine.module)
@@ -132,28 +139,37 @@ def save_pretrained(
         else:
             planned.append(Planned(name, tuple(source.shape), _converted(source.dtype, dtype)))
     files = plan_files(planned, max_shard_bytes)
-    final = Path(path)
-    staging = staging_path(final, group)
-    for file_name, group_of_file in zip(file_names(len(files)), files):
-        writer = StreamingWriter(staging / file_name, group_of_file) if rank == 0 else None
-        for t in group_of_file:
-            source = sources[t.name]
-            if isinstance(source, int):
-                full = engine.layout.gather_full(source, group, engine.log).view(t.shape)
-            else:
-                full = source.detach()
-            if writer is not None:
-                writer.write(t.name, full.to(t.dtype))
-            del full
-        if writer is not None:
-            writer.close()
-    if rank == 0:
-        if len(files) > 1:
-            write_index(staging, files)
-        config = getattr(engine.module, "config", None)
-        if callable(getattr(config, "save_pretrained", None)):
-            config.save_pretrained(staging)  # type: ignore[union-attr]
-    commit(staging, final, {"kind": "hugging-face weights", "world": dist.get_world_size(group)}, group)
+    together = Together.of(engine)
+    with staged(path, EXPORT_KIND, "save_pretrained", together) as staging:
+        for file_name, group_of_file in zip(file_names(len(files)), files):
+            target = staging.path / file_name
+            # rank 0's file work is a step of every rank's (``together``): a disk that fills up on rank 0
+            # stops every rank at once, where the others would otherwise wait in the next gather
+            writer = together.agreed(f"save_pretrained: creating {target}",
+                                     lambda: StreamingWriter(target, group_of_file) if rank == 0 else None)
+            for t in group_of_file:
+                source = sources[t.name]
+                if isinstance(source, int):
+                    pid = source
+                    full = together.call(lambda: engine.layout.gather_full(pid, group, engine.log)).view(t.shape)
+                else:
+                    full = source.detach()
+                together.agreed(f"save_pretrained: writing {t.name} into {target}",
+                                lambda: writer.write(t.name, full.to(t.dtype)) if writer is not None else None)
+                del full
+            together.agreed(f"save_pretrained: finishing {target}", lambda: writer.close() if writer is not None else None)
+        together.agreed("save_pretrained: writing the index and config",
+                        lambda: _write_extras(engine, staging.path, files) if rank == 0 else None)
+        commit(staging, {"world": engine.world}, together)
+
+
+def _write_extras(engine: Zero3Engine, staging: Path, files: list[list[Planned]]) -> None:
+    """The index of a model in several files, and the model's config when it has one."""
+    if len(files) > 1:
+        write_index(staging, files)
+    config = getattr(engine.module, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config.save_pretrained(staging)  # type: ignore[union-attr]
 
 
 def _converted(own: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:

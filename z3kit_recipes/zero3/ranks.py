@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from z3kit.collectives import ProcessGroup
-from z3kit.sideband import Notice, SideBand, WatchedWait, default_store
+from z3kit.sideband import Notice, SideBand, WatchedWait, default_store, in_thread
 from z3kit_recipes.zero3.agreement import RanksDisagree, agree_on_fetch
 
 FAILED = "failed: "
@@ -49,6 +49,8 @@ def departure_place(where: tuple[int, int]) -> str:
     if index >= 0:
         return f"left the recorded step at fetch #{index} of micro-step {micro}"
     return f"after {micro} backward(s)"
+
+T = TypeVar("T")
 
 
 class RankFailed(RanksDisagree):
@@ -90,6 +92,23 @@ class RankWatch:
         no longer run together, raise at once instead of waiting."""
         if self.broken is not None:
             raise RankFailed(self.broken)
+        return self._completed(done, wait)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, a blocking collective call with no handle to wait on
+        (``torch.distributed.checkpoint``, an object collective: saving and
+        loading), watched like ``wait``: a peer that dies or fails gives
+        ``RankFailed`` on every rank instead of the backend's connection
+        error on some and a hang on the rest. Unlike ``wait`` it does not
+        refuse once the ranks are broken: callers decide (a save refuses
+        through ``check``)."""
+        if self.board is None:
+            return fn()
+        done, wait = in_thread(fn)
+        out: T = self._completed(done, wait)
+        return out
+
+    def _completed(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
         try:
             return self._watched.wait(done, wait)
         except RanksDisagree:

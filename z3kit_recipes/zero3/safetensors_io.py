@@ -13,6 +13,7 @@ tensor at a time as they are gathered. What it writes is read back by the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -44,33 +45,57 @@ class StoredTensor:
 def index_of(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
     """Every tensor of a Hugging Face checkpoint (a directory with
     ``model.safetensors`` or an index and its shards, or one ``.safetensors``
-    file), by name, from the files' headers only."""
-    from safetensors import safe_open
-
+    file), by name, from the files' headers only. Opening a file checks that
+    it holds every byte its header promises, so a truncated file is named
+    here, before anything is read."""
     root = Path(path)
     if root.is_file():
         files = [root]
     elif (root / INDEX_FILE).is_file():
-        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
-        files = sorted({root / name for name in weight_map.values()})
+        files = sorted({root / name for name in _weight_map(root).values()})
     elif (root / SINGLE_FILE).is_file():
         files = [root / SINGLE_FILE]
     else:
         raise FileNotFoundError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
     out: dict[str, StoredTensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _opened(file) as f:
             for name in f.keys():
                 out[name] = StoredTensor(file, tuple(f.get_slice(name).get_shape()))
     return out
 
 
+def _weight_map(root: Path) -> dict[str, str]:
+    index = root / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError("its weight_map is not a map of tensor names to file names")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: the index of checkpoint {root} cannot be read ({type(exc).__name__}: {exc}); "
+                         "it is damaged or incomplete") from None
+    return weight_map
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """``safe_open`` of ``file``; its errors (the library's own, which name no
+    file) name the file and its folder."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: any failure to open is this file's
+        raise ValueError(f"{file}: cannot be read as safetensors ({type(exc).__name__}: {exc}); checkpoint "
+                         f"{file.parent} is damaged or incomplete") from None
+    with f:
+        yield f
+
+
 def read_flat_range(stored: StoredTensor, name: str, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened tensor, reading only the
     rows (of its first dimension) that hold them."""
-    from safetensors import safe_open
-
-    with safe_open(str(stored.file), framework="pt") as f:
+    with _opened(stored.file) as f:
         piece = f.get_slice(name)
         if not stored.shape:  # a scalar
             out: torch.Tensor = f.get_tensor(name).reshape(-1)[start:stop]
@@ -86,9 +111,7 @@ def read_flat_range(stored: StoredTensor, name: str, start: int, stop: int) -> t
 
 
 def read_whole(stored: StoredTensor, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(stored.file), framework="pt") as f:
+    with _opened(stored.file) as f:
         out: torch.Tensor = f.get_tensor(name)
     return out
 
