@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 
 
@@ -130,8 +131,12 @@ def in_thread(fn: Callable[[], Any]) -> tuple[Callable[[float], bool], Callable[
     the call may stay blocked in its collective until the process group's
     own timeout, and must not keep the process from exiting meanwhile."""
     outcome: dict[str, Any] = {}
+    # a new thread starts on device 0: an NCCL or HCCL call there would use another rank's device
+    device_index = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
 
     def run() -> None:
+        if device_index is not None:
+            torch.accelerator.set_device_index(device_index)
         try:
             outcome["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
