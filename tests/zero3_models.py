@@ -173,6 +173,28 @@ class BranchModel(nn.Module):
         return self.head(h)
 
 
+class EarlyExitModel(nn.Module):
+    """A data-dependent early exit: a batch whose mean input is positive
+    leaves after two of four blocks, so ranks run different modules, and
+    how many steps a module runs on differs too. The head after the exit
+    differs from the one at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(4))
+        self.exit_head = nn.Linear(HIDDEN, D_OUT)
+        self.head = nn.Linear(HIDDEN, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if i == 1 and float(x.mean()) > 0:
+                return self.exit_head(h)
+        return self.head(h)
+
+
 class FrozenModel(nn.Module):
     """The first layer and one bias do not require grad."""
 
@@ -496,6 +518,7 @@ WORKLOADS: dict[str, Workload] = {
     "shared_ckpt_nonreentrant": Workload(lambda: SharedCheckpointModel(False), vec_batch, vec_loss),
     "hf_shared_layers_ckpt": Workload(hf_llama_shared_layers_checkpointed, hf_batch, hf_loss),
     "moe_top2": Workload(MoEModel, moe_top2_batch, moe_loss),
+    "early_exit": Workload(EarlyExitModel, vec_batch, vec_loss),
     "returns_param": Workload(ReturnsParamModel, vec_batch, vec_loss),
     "parent": Workload(ParentModel, vec_batch, vec_loss),
     "moe": Workload(MoEModel, moe_batch, moe_loss),

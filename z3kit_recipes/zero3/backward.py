@@ -115,6 +115,7 @@ class BackwardPass:
         try:
             self.hooks.finish_backward()
             self.coordinator.finish_schedule()
+            self.coordinator.finish_rounds()
             if self.reducer is not None:
                 check = self._start_check()
                 self.reducer.finish()
@@ -149,7 +150,8 @@ class BackwardPass:
             self.agreement.device,
             global_step=self.training_state.global_step,
             micro_step=self.training_state.micro_step,
-            record=self.record,
+            # with rank-divergent graphs the ranks' fetches differ by design (``zero3.rounds``)
+            record=self.record if self.coordinator.rounds is None else StepRecord(),
             flags=self._flags(),
         )
 

@@ -44,6 +44,7 @@ from z3kit_recipes.zero3.param_use import ParamUseMode
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
 from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
+from z3kit_recipes.zero3.rounds import FetchRounds
 from z3kit_recipes.zero3.stats import StepStats
 from z3kit_recipes.zero3.timeline import Timeline
 from z3kit_recipes.zero3.trainable import OptimizerFactory, TrainableWatch
@@ -160,9 +161,10 @@ def assemble(
         layout.shards, group=group, streams=stream_pairs(device), trace=policies.trace, limiter=policies.limiter,
         log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
     )
+    rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
         gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,
-        timeline=timeline, check_every_fetch=config.checks_every_fetch,
+        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds,
     )
     holder["coordinator"] = coordinator
     holder["meeting"] = EvalMeeting(
@@ -280,6 +282,8 @@ def _build_reducer(
         bucket_dtype=config.torch_dtype,  # reduce in the compute dtype, as DeepSpeed does; accumulate in fp32
         mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
         overlap=config.overlap_comm,
+        # with divergent graphs a wait on a reduction during backward could wait on a rank stuck in a round
+        never_wait_in_backward=config.divergent_graphs,
         contiguous=config.contiguous_gradients,
         scale=1.0 / (world * config.gradient_accumulation_steps),
     )

@@ -80,6 +80,10 @@ class Zero3Config:
     #: before gathering, so a divergence is named where it starts (one small collective a
     #: fetch); the environment variable ``Z3KIT_CHECK_EVERY_FETCH=1`` turns it on as well
     check_every_fetch: bool = attrs.field(default=False, validator=bool_validator())
+    #: rank-divergent graphs (a data-dependent early exit, a per-expert MoE without a leaf
+    #: unit): every gather is a round in which the ranks gather the union of what any needs
+    #: (``zero3.rounds``): such graphs train at DDP parity, at a collective per fetch
+    divergent_graphs: bool = attrs.field(default=False, validator=bool_validator())
     #: bytes per rank for gathered parameters and gradient buckets (an int), or a
     #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model

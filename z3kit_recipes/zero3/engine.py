@@ -105,6 +105,7 @@ class Zero3Engine:
             self._abort("forward", exc)
             raise
         if not training:
+            self.coordinator.finish_rounds()
             self.coordinator.release_all()
         return out
 

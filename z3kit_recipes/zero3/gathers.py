@@ -22,7 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from z3kit.collectives import CollectiveLog, ProcessGroup
+import torch
+
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather
 from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
@@ -110,6 +112,35 @@ class Gatherer:
             handle = self._handles.get(p)
             if handle is not None:
                 self._complete(handle)
+
+    def gather_union(self, pids: list[int], install: set[int]) -> None:
+        """One collective over ``pids``, the same list on every rank
+        (``zero3.rounds``): each rank contributes its shards, installs those
+        of ``install`` (NOT_AVAILABLE here) and discards the rest, whatever
+        their status here. Completed now, on the compute stream: the rounds
+        wait for their agreement anyway, so there is nothing to overlap."""
+        shards = [self.shards[p] for p in pids]
+        world = shards[0].world
+        mine = torch.cat([s.shard for s in shards])
+        out = mine.new_empty(world * mine.numel())
+        staging = out.numel() * self._element_size
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, staging)
+        installed = [p for p in pids if p in install]
+        self.limiter.on_gather(sum(self.numels[p] for p in installed))
+        pending = all_gather(out, mine, self.group, async_op=True, log=self.log)
+        self.record.gathers += 1
+        start = time.perf_counter()
+        self.waiter(pending.is_completed, pending.wait)
+        self.comm_wait_s += time.perf_counter() - start
+        rows, offset = out.view(world, -1), 0
+        for p, shard in zip(pids, shards):
+            if p in install:
+                shard.materialize().view(world, -1).copy_(rows[:, offset : offset + shard.shard_numel])
+                shard.install()
+                self.memory.allocate(MemoryKind.GATHERED_PARAMS, self._gathered_bytes[p])
+            offset += shard.shard_numel
+        self.memory.free(MemoryKind.GATHERED_PARAMS, staging)
+        self.limiter.on_gather_done()
 
     def wait_inflight(self) -> None:
         """Complete every gather in flight; nothing is released."""

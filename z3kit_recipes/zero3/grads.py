@@ -104,11 +104,14 @@ class GradReducer:
         overlap: bool,
         contiguous: bool,
         scale: float,
+        never_wait_in_backward: bool = False,
     ) -> None:
         self.shards = shards
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
         self.waiter = waiter
         self.mode, self.overlap, self.scale = mode, overlap, scale
+        #: land only finished reductions until ``finish`` (``zero3.rounds``)
+        self.never_wait_in_backward = never_wait_in_backward
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
         self.bucket_dtype = bucket_dtype
@@ -242,7 +245,7 @@ class GradReducer:
             self._next += 1
 
     def _issue(self, index: int) -> None:
-        if len(self._flights) >= MAX_FLIGHTS:
+        if len(self._flights) >= MAX_FLIGHTS and not self.never_wait_in_backward:
             self._land(oldest_only=True)
         if self.plan.alone[index]:
             self._flights.append(self._reduce_alone(self.plan.buckets[index][0], self._waiting.pop(index)))
@@ -251,7 +254,7 @@ class GradReducer:
             with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
                 flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
             self._flights.append(_Flight(flush, None, [], bucket.nbytes))
-        if not self.overlap:
+        if not self.overlap and not self.never_wait_in_backward:
             self._land()  # issued asynchronously all the same, so that the wait is a watched one
 
     def _reduce_alone(self, pid: int, grad: torch.Tensor) -> _Flight:

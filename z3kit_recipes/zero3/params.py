@@ -35,6 +35,7 @@ from z3kit.shard import ParamStatus
 from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.agreement import RankAgreement, StepRecord
 from z3kit_recipes.zero3.gathers import Gatherer
+from z3kit_recipes.zero3.rounds import FetchRounds
 from z3kit_recipes.zero3.schedule import BackwardSchedule, ForwardLog
 from z3kit_recipes.zero3.timeline import Timeline, profiled
 
@@ -53,6 +54,7 @@ class ParamCoordinator:
         ranks: RankAgreement,
         timeline: Timeline,
         check_every_fetch: bool = False,
+        rounds: FetchRounds | None = None,
     ) -> None:
         self.gatherer = gatherer
         self.shards = gatherer.shards
@@ -63,6 +65,8 @@ class ParamCoordinator:
         self.ranks = ranks
         #: debugging: agree on every fetch of a training step, forward and backward
         self.check_every_fetch = check_every_fetch
+        #: rank-divergent graphs: every gather is a round (``zero3.rounds``); no agreement, trace checks or prefetch
+        self.rounds = rounds
         self.persistent = [policy.is_persistent(n) for n in self.numels]
         self.regroup(module_params)
         self._tracing = False
@@ -149,7 +153,7 @@ class ParamCoordinator:
         step the fetch is also an entry of the backward schedule, and unless
         the recorded trace vouches for it, the ranks agree on it first."""
         forward = self._tracing and not in_backward()
-        if forward:
+        if forward and self.rounds is None:
             index = self._forward.fetched(module)
             if self.trace.state is TraceState.COMPLETE and not self.check_every_fetch:
                 if not self.trace.expects(self.module_keys[module], *self._fetch_key[module]):
@@ -159,7 +163,7 @@ class ParamCoordinator:
             if self.trace.state is not TraceState.COMPLETE or self.check_every_fetch:
                 self._agreed_forward = True
                 self.ranks.agree(index, (self.names[module], sum(self._fetch_key[module][1])))
-        elif self.check_every_fetch and in_backward():
+        elif self.check_every_fetch and in_backward() and self.rounds is None:
             self._agree_in_backward(module)
         self._fetch_entry(module, traced=forward)
 
@@ -183,7 +187,7 @@ class ParamCoordinator:
     def fetch_for_backward(self, module: nn.Module) -> None:
         """Pre-backward: the schedule up to this module (see ``zero3.schedule``)."""
         if self._schedule is None:
-            if self._agreed_forward:  # the forward was agreed fetch by fetch: agree that it is over
+            if self._agreed_forward and self.rounds is None:  # the forward was agreed fetch by fetch: agree that it is over
                 self.ranks.agree(len(self._forward), None)
             self._schedule = self._forward.schedule()
         entries = self._schedule.advance_to(module)
@@ -216,18 +220,30 @@ class ParamCoordinator:
             self._fetch_index[module] = self.trace.cursor - 1
         live_before = self.limiter.live_numel
         with profiled(f"z3kit.fetch {self.names[module]}"):
-            self.gatherer.ensure_gathered(pids)
+            self._ensure_gathered(pids)
         self._note("fetch", module, self.limiter.live_numel - live_before)
         if module not in self._holders:
             self._holders.add(module)
             for p in pids:
                 self._users[p] += 1
-        if matches:
+        if matches and self.rounds is None:
             prefetched = self.gatherer.prefetch()
             if prefetched:
                 self._note("prefetch", None, prefetched)
         else:
             self.gatherer.forget_trace()
+
+    def _ensure_gathered(self, pids: list[int]) -> None:
+        if self.rounds is None:
+            self.gatherer.ensure_gathered(pids)
+        else:
+            self.rounds.fetch(pids)
+
+    def finish_rounds(self) -> None:
+        """End of a backward or an eval forward: with rank-divergent graphs,
+        join rounds until every rank is there (``zero3.rounds``)."""
+        if self.rounds is not None:
+            self.rounds.finish()
 
     def release(self, module: nn.Module, keep: Iterable[int] = ()) -> None:
         """Post-forward / post-backward: let go of the module's parameters;
@@ -329,10 +345,10 @@ class ParamCoordinator:
         if user is not None and user in self.module_params and pid not in self.module_params[user]:
             what = f"uses parameter #{pid} ({self.numels[pid]:,} elements) in {self.names[user]!r}, outside its module"
             index = len(self._forward)
-            if self._tracing and self.trace.state is TraceState.COMPLETE:
+            if self._tracing and self.trace.state is TraceState.COMPLETE and self.rounds is None:
                 self.ranks.left_trace(index, what)
                 self.trace.invalidate()
-            if self._tracing and not in_backward():
+            if self._tracing and not in_backward() and self.rounds is None:
                 self._agreed_forward = True
                 self.ranks.agree(index, (what, self.numels[pid]))
             self.module_params[user].append(pid)
@@ -340,7 +356,7 @@ class ParamCoordinator:
             if user in self._holders:
                 self._users[pid] += 1
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
-            self.gatherer.ensure_gathered([pid])
+            self._ensure_gathered([pid])
 
 
 def _named(module_params: dict[nn.Module, list[int]]) -> list[tuple[str, nn.Module]]:
