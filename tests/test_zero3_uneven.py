@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_pool import WorkerContext, fresh_group
-from tests.zero3_models import MLP, hf_llama, vec_batch
+from tests.zero3_models import MLP, ParentModel, hf_llama, vec_batch
 
 
 def _engine(ctx: WorkerContext, model: torch.nn.Module, threshold: int = 0, timeout_s: float = 60.0) -> Any:
@@ -41,9 +41,9 @@ def _train_step(engine: Any, step: int, rank: int) -> None:
     engine.step()
 
 
-def run_uneven(ctx: WorkerContext, pattern: str, threshold: int) -> dict[str, Any]:
+def run_uneven(ctx: WorkerContext, pattern: str, threshold: int, root_params: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = MLP()
+    model = ParentModel() if root_params else MLP()
     plain = copy.deepcopy(model)
     engine = _engine(ctx, model, threshold)
     _train_step(engine, 0, ctx.rank)
@@ -77,10 +77,13 @@ def run_uneven(ctx: WorkerContext, pattern: str, threshold: int) -> dict[str, An
     return {"caught": None, "seconds": time.monotonic() - started}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("world", "root_params"), [(2, False), (4, False), (2, True)])
 @pytest.mark.parametrize("pattern", ["sample_on_rank_0", "eval_batches"])
-def test_a_forward_on_some_ranks_only_is_named_on_every_rank_in_seconds(pools: Any, world: int, pattern: str) -> None:
-    results = pools.run(world, run_uneven, pattern, 0, timeout=90)
+def test_a_forward_on_some_ranks_only_is_named_on_every_rank_in_seconds(
+    pools: Any, world: int, root_params: bool, pattern: str
+) -> None:
+    """``root_params``: the root module gathers parameters of its own before its children."""
+    results = pools.run(world, run_uneven, pattern, 0, root_params, timeout=90)
     for rank, r in enumerate(results):
         caught = r["caught"]
         assert caught is not None and caught.startswith("RankFailed"), (rank, r)

@@ -17,7 +17,8 @@ import torch
 from z3kit_recipes.bench.report import compare_to_ddp, render_table
 from z3kit_recipes.bench.runners import unavailable_reason
 from z3kit_recipes.bench.spec import (
-    COMPILE_SCOPES, DEFAULT_BUDGET, DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_WORKLOADS, DEFAULT_ZERO_CONFIG, JSON, LR,
+    COMPILE_SCOPES, DEFAULT_BUDGET, DEFAULT_RUNTIMES, DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_WORKLOADS,
+    DEFAULT_ZERO_CONFIG, JSON, LR,
     MIN_COMPILE_WARMUP, RUNTIME_DESCRIPTIONS, RUNTIMES, RuntimeName,
 )
 from z3kit_recipes.launch import PYCACHE_DIR, use_bytecode_cache
@@ -112,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"untimed warm-up steps first (default {DEFAULT_WARMUP})")
     p.add_argument("--probe-steps", type=int, default=2,
                    help="untimed instrumented steps after the measured ones (collectives, peaks)")
-    p.add_argument("--runtimes", type=_parse_runtimes, default=list(RUNTIMES),
-                   help="comma list of " + ",".join(RUNTIMES) + " (default: all available)")
+    p.add_argument("--runtimes", type=_parse_runtimes, default=list(DEFAULT_RUNTIMES),
+                   help="comma list of " + ",".join(RUNTIMES) + ", or all (default: all available but z3kit-divergent)")
     p.add_argument("--threads", type=_parse_threads, default=None,
                    help="intra-op threads per rank, or 'auto' (default): fastest for DDP")
     p.add_argument("--tie-mode", choices=TIE_MODES, default="hf",

@@ -10,10 +10,12 @@ from z3kit_recipes.models import TieMode
 
 JSON = dict[str, Any]
 
-RuntimeName = Literal["ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget"]
+RuntimeName = Literal["ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent"]
 RUNTIMES: Final[tuple[RuntimeName, ...]] = (
-    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget",
+    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent",
 )
+#: what ``--runtimes`` runs when not given (z3kit-divergent measures an opt-in mode's price: ask for it)
+DEFAULT_RUNTIMES: Final[tuple[RuntimeName, ...]] = tuple(r for r in RUNTIMES if r != "z3kit-divergent")
 #: what each runtime name stands for (the report's legend)
 RUNTIME_DESCRIPTIONS: Final[dict[RuntimeName, str]] = {
     "ddp": "DistributedDataParallel: a full replica on every rank",
@@ -24,6 +26,8 @@ RUNTIME_DESCRIPTIONS: Final[dict[RuntimeName, str]] = {
     "z3kit": "z3kit zero3 with the shared zero_optimization section",
     "z3kit-budget": "z3kit zero3 with Zero3Config(memory_budget=--budget) deriving the bucket "
                     "and live-parameter knobs",
+    "z3kit-divergent": "z3kit zero3 with Zero3Config(divergent_graphs=True): every gather a round "
+                       "in which the ranks agree on what to gather (the price of rank-divergent graphs)",
 }
 
 #: Adam's learning rate in every runtime

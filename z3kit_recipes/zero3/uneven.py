@@ -73,7 +73,8 @@ class EvalMeeting:
         def after(module: nn.Module, args: Any, output: Any) -> None:
             self.current = None
 
-        self._handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
+        # prepended: before the root's own fetch, which may gather
+        self._handles = [root.register_forward_pre_hook(before, prepend=True), root.register_forward_hook(after)]
 
     def _before_forward(self, root: nn.Module) -> None:
         self.current = None
