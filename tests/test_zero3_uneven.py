@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_pool import WorkerContext, fresh_group
-from tests.zero3_models import MLP, ParentModel, hf_llama, vec_batch
+from tests.zero3_models import D_IN, D_OUT, HIDDEN, MLP, ParentModel, hf_llama, vec_batch
 
 
 def _engine(ctx: WorkerContext, model: torch.nn.Module, threshold: int = 0, timeout_s: float = 60.0) -> Any:
@@ -41,9 +41,18 @@ def _train_step(engine: Any, step: int, rank: int) -> None:
     engine.step()
 
 
-def run_uneven(ctx: WorkerContext, pattern: str, threshold: int, root_params: bool = False) -> dict[str, Any]:
+def _model(name: str) -> torch.nn.Module:
+    if name == "parent":  # the root gathers parameters of its own before its children
+        return ParentModel()
+    if name == "normed":  # buffers: a training forward broadcasts them first
+        return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Tanh(),
+                                   torch.nn.Linear(HIDDEN, D_OUT))
+    return MLP()
+
+
+def run_uneven(ctx: WorkerContext, pattern: str, threshold: int, model_name: str = "mlp") -> dict[str, Any]:
     torch.manual_seed(0)
-    model = ParentModel() if root_params else MLP()
+    model = _model(model_name)
     plain = copy.deepcopy(model)
     engine = _engine(ctx, model, threshold)
     _train_step(engine, 0, ctx.rank)
@@ -77,13 +86,12 @@ def run_uneven(ctx: WorkerContext, pattern: str, threshold: int, root_params: bo
     return {"caught": None, "seconds": time.monotonic() - started}
 
 
-@pytest.mark.parametrize(("world", "root_params"), [(2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(("world", "model"), [(2, "mlp"), (4, "mlp"), (2, "parent"), (2, "normed")])
 @pytest.mark.parametrize("pattern", ["sample_on_rank_0", "eval_batches"])
 def test_a_forward_on_some_ranks_only_is_named_on_every_rank_in_seconds(
-    pools: Any, world: int, root_params: bool, pattern: str
+    pools: Any, world: int, model: str, pattern: str
 ) -> None:
-    """``root_params``: the root module gathers parameters of its own before its children."""
-    results = pools.run(world, run_uneven, pattern, 0, root_params, timeout=90)
+    results = pools.run(world, run_uneven, pattern, 0, model, timeout=90)
     for rank, r in enumerate(results):
         caught = r["caught"]
         assert caught is not None and caught.startswith("RankFailed"), (rank, r)
@@ -212,5 +220,5 @@ def run_join_refused(ctx: WorkerContext) -> str:
 
 def test_join_without_a_batch_to_repeat_is_refused_on_every_rank(pools: Any) -> None:
     for msg in pools.run(2, run_join_refused, timeout=60):
-        assert msg.startswith("JoinRefused: rank(s) [1] finished their batches inside engine.join() without running a "
-                              "training forward"), msg
+        assert msg.startswith("JoinRefused: rank(s) [1] finished their batches inside engine.join() and never ran "
+                              "a training forward"), msg

@@ -276,9 +276,10 @@ def broadcast(
     src_rank: int,
     group: ProcessGroup | None,
     *,
+    async_op: bool = False,
     log: CollectiveLog | None = None,
-) -> None:
-    """Copy ``tensor`` from group rank ``src_rank`` to every rank (synchronous)."""
+) -> Pending:
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank."""
     group = _check_group(group)
     _check_tensor("tensor", tensor)
     world = dist.get_world_size(group)
@@ -286,7 +287,8 @@ def broadcast(
         raise ValueError(f"src_rank must be in [0, {world}), got {src_rank}")
     if log is not None:
         log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
-    dist.broadcast(tensor, group_src=src_rank, group=group)
+    work = dist.broadcast(tensor, group_src=src_rank, group=group, async_op=async_op)
+    return Pending(work if async_op else None, None)
 
 
 def failed_ranks(ok: bool, group: ProcessGroup | None, device: torch.device | str = "cpu") -> list[int]:

@@ -53,6 +53,8 @@ class Zero3Engine:
         #: the knobs ``config.memory_budget`` was turned into, when it is set
         self.memory_plan = parts.memory_plan
         self._join: Join | None = None
+        #: this rank's last forward of each kind (training or not): its arguments
+        self._last_forwards: dict[bool, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     @property
     def global_step(self) -> int:
@@ -83,22 +85,21 @@ class Zero3Engine:
         # so it must not keep parameters gathered for one.
         training = torch.is_grad_enabled() and self.module.training
         if self._join is not None:  # before any collective of the forward (see zero3.join)
-            self._join.before_forward(training, args, kwargs)
+            self._join.before_forward(training)
+        self._last_forwards[training] = (args, kwargs)  # what a rank repeats in engine.join()
         dtype = self.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
-        if training:
-            try:
-                self.parts.trainable_watch.follow()
-            except BaseException as exc:
-                self._abort("forward", exc)
-                raise
-            self.parts.stats.training_forward()
-            if self.config.broadcast_buffers and self.world > 1:
-                self.parts.model_watch.broadcast_buffers(self.group, self.log)
-            self.coordinator.begin_step()
-            self.training_state.phase = Phase.FORWARD
         try:
+            if training:
+                self.parts.trainable_watch.follow()
+                self.parts.stats.training_forward()
+                self.coordinator.begin_step()
+                # in FORWARD before the first collective (the buffers'), so that the
+                # notice board places this rank in its training forward while it waits
+                self.training_state.phase = Phase.FORWARD
+                if self.config.broadcast_buffers and self.world > 1:
+                    self.parts.model_watch.broadcast_buffers(self.group, self.log, self.watch.wait)
             with self.parts.forward_context, contextlib.nullcontext() if training else self.coordinator.untraced():
                 out = self.module(*args, **kwargs)
         except BaseException as exc:
@@ -181,7 +182,7 @@ class Zero3Engine:
         the kind the others run until every loop has ended (see ``zero3.join``)."""
         if self._join is not None:
             raise RuntimeError("engine.join() blocks do not nest")
-        self._join = Join(self)
+        self._join = Join(self, self._last_forwards)
         try:
             with self.parts.meeting.lockstep():  # the rounds keep the ranks' forwards together
                 yield

@@ -9,7 +9,8 @@ Note: rounds and shadows.
     loop has ended reaches the end of the block and shadows the others: it
     joins each round as finished and, while any rank is still running,
     repeats its own last forward of the kind the others run (its own last
-    batch; nothing is changed on it), so that it issues the same gathers:
+    batch, inside the block or before it; nothing is changed on it), so
+    that it issues the same gathers:
 
     * an eval forward is repeated under ``no_grad``;
     * a training forward is repeated with a zero loss, then ``backward`` and
@@ -24,7 +25,7 @@ Note: rounds and shadows.
     (the same modules, in the same order: true of a model without
     data-dependent control flow), one forward per backward, and the ranks
     still running agree on the kind of each forward. A finished rank that
-    ran no forward of the kind needed cannot shadow it; every rank then
+    never ran a forward of the kind needed cannot shadow it; every rank then
     raises, naming it. The rounds are collectives that the host waits for:
     the price of the feature, paid only inside the block.
 """
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 
 EVAL, TRAIN = 0, 1
 _KIND = {EVAL: "an eval (or no_grad) forward", TRAIN: "a training forward"}
+#: a forward's arguments: (args, kwargs)
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class JoinRefused(RuntimeError):
@@ -52,26 +55,22 @@ class JoinRefused(RuntimeError):
 class Join:
     """The rounds of one ``engine.join()`` block (see the Note)."""
 
-    def __init__(self, engine: Zero3Engine) -> None:
+    def __init__(self, engine: Zero3Engine, last: dict[bool, Arguments]) -> None:
         self.engine = engine
-        #: this rank's last forward of each kind: (args, kwargs), what a shadow repeats
-        self._last: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        #: this rank's last forward of each kind (training or not), kept by the engine: what a shadow repeats
+        self._last = last
         self._shadowing = False
 
-    def before_forward(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before_forward(self, training: bool) -> None:
         """A forward of this rank's own (not a repeat): a round, running."""
-        if self._shadowing:
-            return
-        kind = TRAIN if training else EVAL
-        self._last[kind] = (args, kwargs)
-        self._round(running=True, kind=kind)
+        if not self._shadowing:
+            self._round(running=True, kind=TRAIN if training else EVAL)
 
     def shadow(self) -> None:
         """This rank's loop has ended: repeat the others' forwards until none runs."""
         while True:
             kind = self._round(running=False, kind=EVAL)
             if kind is None:
-                self._last.clear()
                 return
             self._shadowing = True
             try:
@@ -85,7 +84,7 @@ class Join:
         if engine.world == 1:
             return kind if running else None
         group = engine.parts.backward.agreement.group
-        mine = torch.tensor([int(running), kind, int(TRAIN in self._last), int(EVAL in self._last)],
+        mine = torch.tensor([int(running), kind, int(True in self._last), int(False in self._last)],
                             dtype=torch.int64, device=engine.device)
         everyone = mine.new_empty(engine.world * mine.numel())
         pending = all_gather(everyone, mine, group, async_op=True, log=engine.log)
@@ -103,14 +102,14 @@ class Join:
                   if not run and not (has_train if kind == TRAIN else has_eval)]
         if unable:
             raise JoinRefused(
-                f"rank(s) {unable} finished their batches inside engine.join() without running {_KIND[kind]} "
-                "there, so they cannot repeat one while the others run it; give every rank at least one batch of "
-                "each kind it will have to follow")
+                f"rank(s) {unable} finished their batches inside engine.join() and never ran {_KIND[kind]}, so "
+                "they cannot repeat one while the others run it; give every rank at least one batch of each kind "
+                "it will have to follow")
         return kind
 
     def _repeat(self, kind: int) -> None:
         engine = self.engine
-        args, kwargs = self._last[kind]
+        args, kwargs = self._last[kind == TRAIN]
         if kind == EVAL:
             with torch.no_grad():
                 engine(*args, **kwargs)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_registry
 
-from z3kit.collectives import CollectiveLog, ProcessGroup, broadcast
+from z3kit.collectives import Blocker, CollectiveLog, ProcessGroup, broadcast
 
 
 def place_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -78,8 +78,10 @@ class ModelWatch:
             "add them before initialize, or remove them to keep training with this engine"
         )
 
-    def broadcast_buffers(self, group: ProcessGroup, log: CollectiveLog) -> None:
-        """Rank 0's buffers (BatchNorm statistics, ...) to every rank: one broadcast per dtype."""
+    def broadcast_buffers(self, group: ProcessGroup, log: CollectiveLog, waiter: Blocker) -> None:
+        """Rank 0's buffers (BatchNorm statistics, ...) to every rank: one broadcast per dtype,
+        completed through ``waiter`` (a rank in an eval forward alone posts on the notice board;
+        a blocking broadcast would never read it)."""
         if self._buffers is None:  # kept between steps: walking the modules costs as much as a small step
             self._buffers = [b for b in self.module.buffers() if b.numel()]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -88,6 +90,7 @@ class ModelWatch:
         with torch.no_grad():
             for same in by_dtype.values():
                 flat = torch.cat([b.reshape(-1) for b in same])
-                broadcast(flat, 0, group, log=log)
+                pending = broadcast(flat, 0, group, async_op=True, log=log)
+                waiter(pending.is_completed, pending.wait)
                 for b, value in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(value.view_as(b))
