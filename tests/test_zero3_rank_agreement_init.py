@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.errors import unchanged
-from tests.zero3_models import MLP, vec_batch, vec_loss
+from tests.zero3_models import MLP, ddp_vec_step, vec_batch, vec_loss
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder
@@ -344,11 +344,7 @@ def run_direct_calls(ctx: Any) -> list[tuple[float, float]]:
         loss = vec_loss(model if step % 2 == 0 else engine, batch, step)
         loss.backward()
         engine.step()
-        ddp_loss = vec_loss(ddp, batch, step)
-        ddp_loss.backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad()
-        losses.append((float(loss), float(ddp_loss)))
+        losses.append((float(loss), ddp_vec_step(ddp, ddp_opt, batch, step)))
     return losses
 
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.dist_pool import WorkerContext, fresh_group
 from tests.errors import unchanged
-from tests.zero3_models import MLP, assert_params_match, make_optimizer, vec_batch, vec_loss
+from tests.zero3_models import MLP, assert_params_match, ddp_vec_step, make_optimizer, vec_batch, vec_loss
 
 SHARDED = {"param_persistence_threshold": 0}
 #: optimizer step -> {layer index: requires_grad}, applied to both runs before that step
@@ -58,11 +58,7 @@ def run_staged(ctx: WorkerContext, frozen_at_init: tuple[int, ...], dtype: str, 
         loss = vec_loss(engine, batch, step)
         engine.backward(loss)
         engine.step()
-        ddp_loss = vec_loss(ddp, batch, step)
-        ddp_loss.backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad()
-        losses.append((float(loss), float(ddp_loss)))
+        losses.append((float(loss), ddp_vec_step(ddp, ddp_opt, batch, step)))
     return {"losses": losses, "engine": engine.full_state_dict(),
             "ddp": {n: p.detach().clone() for n, p in ddp_model.named_parameters()}}
 

@@ -486,6 +486,15 @@ def vec_loss(m: Any, b: dict[str, Any], step: int) -> torch.Tensor:
     return F.mse_loss(m(b["x"]).float(), b["y"])
 
 
+def ddp_vec_step(ddp: nn.Module, opt: torch.optim.Optimizer, b: dict[str, Any], step: int) -> float:
+    """One reference step on a vec batch: loss, backward, optimizer step, zero_grad; returns the loss."""
+    loss = vec_loss(ddp, b, step)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
 def step_loss(m: Any, b: dict[str, Any], step: int) -> torch.Tensor:
     return F.mse_loss(m(b["x"], step=step).float(), b["y"])
 
