@@ -21,7 +21,9 @@ Note: rounds and shadows.
     Gradients are averaged over every rank, the finished ones contributing
     zeros, as DDP's ``Join`` does by default (``divide_by_initial_world_size``).
 
-    What has to hold: the repeated forward gathers what the others' does
+    What has to hold: forwards inside the block go through the engine
+    (``engine(x)``; a call of the model itself has no round), the repeated
+    forward gathers what the others' does
     (the same modules, in the same order: true of a model without
     data-dependent control flow), one forward per backward, and the ranks
     still running agree on the kind of each forward. A finished rank that
