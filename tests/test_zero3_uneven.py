@@ -222,3 +222,78 @@ def test_join_without_a_batch_to_repeat_is_refused_on_every_rank(pools: Any) -> 
     for msg in pools.run(2, run_join_refused, timeout=60):
         assert msg.startswith("JoinRefused: rank(s) [1] finished their batches inside engine.join() and never ran "
                               "a training forward"), msg
+
+
+# --------------------------------------------------------------------------- #
+# A backward that raises on every rank at the same point
+# --------------------------------------------------------------------------- #
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (a check the user's code makes in backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailOnce.armed:
+            raise FloatingPointError("a gradient check failed")
+        return grad
+
+
+class _Checked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp.layers[0](x)
+        h = _FailOnce.apply(torch.tanh(h))  # between the layers: some gradients are in, some are not
+        for layer in self.mlp.layers[1:-1]:
+            h = torch.tanh(layer(h))
+        return self.mlp.layers[-1](h)
+
+
+def run_backward_fails_everywhere(ctx: WorkerContext, bucket: int) -> dict[str, Any]:
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(0)
+    model = _Checked()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=ctx.group)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    config = zero3.Zero3Config(param_persistence_threshold=0, reduce_bucket_size=bucket)
+    engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-2), config, fresh_group(ctx))
+    losses, caught = [], []
+    for step in range(5):
+        b = vec_batch(ctx.rank, step, 0, 0)
+        _FailOnce.armed = step == 2
+        try:
+            loss = F.mse_loss(engine(b["x"]), b["y"])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        except FloatingPointError as exc:
+            caught.append(str(exc))
+        finally:
+            _FailOnce.armed = False
+        if step != 2:  # the reference skips the failed step
+            ref_loss = F.mse_loss(ref(b["x"]), b["y"])
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses[-1] = (losses[-1], float(ref_loss))  # type: ignore[assignment]
+    return {"losses": losses, "caught": caught}
+
+
+@pytest.mark.parametrize("bucket", [40, 500_000_000], ids=["small_buckets", "one_bucket"])
+def test_a_backward_that_fails_on_every_rank_discards_its_gradients(pools: Any, bucket: int) -> None:
+    """Every rank raises at the same point of one backward: the engine stays usable, the failed
+    micro-step's gradients are dropped, and training goes on as if the step had been skipped."""
+    for r in pools.run(2, run_backward_fails_everywhere, bucket, timeout=90):
+        assert r["caught"] == ["a gradient check failed"], r
+        for got, want in r["losses"]:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), r["losses"]

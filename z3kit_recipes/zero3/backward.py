@@ -109,6 +109,16 @@ class BackwardPass:
         self.training_state.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
+    def abort(self, *, ranks_in_step: bool) -> None:
+        """The backward raised (``ranks_in_step``: on every rank at the same
+        point): no epilogue comes; its gradients are dropped. One refused
+        before it reached a hook of ours changed nothing, and keeps the window."""
+        if not self._queued:
+            return
+        self._queued = False
+        if self.reducer is not None:
+            self.reducer.abort_backward(ranks_in_step=ranks_in_step)
+
     def end(self) -> None:
         """End of backward (or a backward that reached no hook of ours)."""
         self._queued = False

@@ -118,6 +118,8 @@ class Zero3Engine:
         self.coordinator.abort(ranks_broken=self.watch.broken is not None)
         self.training_state.phase = Phase.IDLE
         self.watch.failed_here(what, exc, position)
+        if what == "backward":  # after failed_here: it tells whether every rank failed at this point
+            self.parts.backward.abort(ranks_in_step=self.watch.broken is None)
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -128,6 +128,8 @@ class GradReducer:
         self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
         self._next = 0  # plan index of the next reduction to issue
         self._flights: list[_Flight] = []
+        #: reductions left in flight when the ranks stopped running together (kept alive, never waited on)
+        self._abandoned: list[_Flight] = []
         #: seconds spent blocked on reductions
         self.comm_wait_s = 0.0
         self.replan(trainable)
@@ -329,6 +331,25 @@ class GradReducer:
         self._issue_ready()
         self._land()
         self._next = 0
+
+    def abort_backward(self, *, ranks_in_step: bool) -> None:
+        """A backward raised: forget its gradients and drop the window (its
+        sums are partial, as after ``zero_grad``). Reductions already issued
+        are landed when every rank failed at the same point (they issued the
+        same ones), else abandoned: their buffers stay referenced, since the
+        collective may still write into them."""
+        if ranks_in_step:
+            self._land()
+        else:
+            self._abandoned += self._flights
+            self._flights = []
+        for held in (*self._waiting.values(), *self.late.values()):
+            self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(held))
+        for bucket in self._buckets.values():
+            self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
+        self._buckets, self._waiting, self.late, self.arrived = {}, {}, {}, set()
+        self._next = 0
+        self.end_window()
 
     def mark_used(self, pids: Iterable[int]) -> None:
         """These parameters got a gradient on some rank in this backward (agreed across ranks)."""
