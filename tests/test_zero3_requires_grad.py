@@ -128,3 +128,53 @@ def test_unfreezing_on_one_rank_is_named_on_every_rank(pools: Any) -> None:
     got = pools.run(2, run_refused, "one_rank", timeout=60)
     assert all(m.startswith("RankFailed after") and "unfroze 2 parameter(s)" in m for m in got), got
     assert all(int(m.split(" after ")[1].split("s")[0]) <= 10 for m in got), got
+
+
+def run_resume_later_stage(ctx: WorkerContext, tmp: str, unfreeze_first: bool) -> dict[str, Any]:
+    """Stage 2 (layer 0 unfrozen) is saved; a fresh engine built as in stage 1 (layer 0 frozen) loads it."""
+    from z3kit_recipes import zero3
+
+    def build() -> Any:
+        torch.manual_seed(3)
+        model = MLP(depth=3)
+        model.layers[0].requires_grad_(False)
+        return zero3.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                zero3.Zero3Config(**SHARDED), fresh_group(ctx))
+
+    engine = build()
+    engine.module.layers[0].requires_grad_(True)
+    for step in range(3):
+        b = vec_batch(ctx.rank, step, 0, 0)
+        engine.backward(vec_loss(engine, b, step))
+        engine.step()
+    engine.save_checkpoint(tmp)
+    saved = engine.full_state_dict()
+    fresh = build()
+    if unfreeze_first:
+        fresh.module.layers[0].requires_grad_(True)
+    try:
+        fresh.load_checkpoint(tmp)
+    except ValueError as exc:
+        return {"caught": str(exc)}
+    loaded = fresh.full_state_dict()
+    b = vec_batch(ctx.rank, 3, 0, 0)
+    losses = []
+    for e in (engine, fresh):
+        loss = vec_loss(e, b, 3)
+        e.backward(loss)
+        e.step()
+        losses.append(float(loss))
+    return {"caught": None, "loaded_as_saved": all(torch.equal(saved[k], v) for k, v in loaded.items()),
+            "losses": losses, "after": [e.full_state_dict() for e in (engine, fresh)]}
+
+
+@pytest.mark.parametrize("unfreeze_first", [True, False])
+def test_a_later_stage_resumes_into_an_engine_built_frozen(pools: Any, tmp_path: Any, unfreeze_first: bool) -> None:
+    for r in pools.run(2, run_resume_later_stage, str(tmp_path / "ckpt"), unfreeze_first):
+        if unfreeze_first:
+            assert r["caught"] is None and r["loaded_as_saved"], r
+            assert r["losses"][0] == r["losses"][1]
+            assert_params_match(r["after"][1], r["after"][0], rtol=0, atol=0)
+        else:
+            assert "was trainable when the checkpoint was saved" in r["caught"], r
+            assert "requires_grad_(True)) before load_checkpoint" in r["caught"], r

@@ -132,6 +132,9 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
     """Restore what ``save_checkpoint`` wrote, at this engine's world size
     (collective); returns the saved ``client_state``."""
     engine.check_idle("load_checkpoint")
+    # parameters unfrozen since the last forward get their masters now, so that a
+    # checkpoint of a later fine-tuning stage loads into a freshly built engine
+    engine.parts.trainable_watch.follow()
     root = Path(path)
     manifest = read_manifest(root, CHECKPOINT_KIND)
     _check_format(root, manifest)
@@ -228,7 +231,9 @@ def _check_same_model(manifest: dict[str, Any], entries: list[_Entry], engine: Z
             raise ValueError(f"parameter {e.name!r} has shape {p['shape']} in the checkpoint, {shape} in the model")
         if p["trainable"] != (e.master is not None):
             state = "trainable" if p["trainable"] else "frozen"
-            raise ValueError(f"parameter {e.name!r} was {state} when the checkpoint was saved; it is not now")
+            fix = ("unfreeze it (requires_grad_(True)) before load_checkpoint" if p["trainable"]
+                   else "freeze it (requires_grad_(False)) before zero3.initialize")
+            raise ValueError(f"parameter {e.name!r} was {state} when the checkpoint was saved; it is not now: {fix}")
     extra = sorted(set(saved) - {e.name for e in entries})
     if extra:
         raise ValueError(f"checkpoint parameter {extra[0]!r} is not in the model ({len(extra)} such)")
