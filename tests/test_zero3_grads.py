@@ -55,13 +55,13 @@ def _reducer_worker(ctx: WorkerContext, mode: ReduceMode, overlap: bool) -> dict
             out[f"calls{window}"] = log.total_calls()
             out[f"buckets_after{window}"] = memory.current(MemoryKind.GRAD_BUCKETS)
             reducer.mark_used(p for p in range(len(SHAPES)) if p != NEVER)
-        grads = reducer.optimizer_grads()
+        grads = reducer.window.optimizer_grads()
         out["grads"] = [None if g is None else g.clone() for g in grads]
         out["partition_bytes"] = memory.current(MemoryKind.GRAD_PARTITIONS)
         out["norm"] = float(reducer.clip_(1.0))
-        clipped = [g for g in reducer.optimizer_grads() if g is not None]
+        clipped = [g for g in reducer.window.optimizer_grads() if g is not None]
         out["clipped_norm"] = float(torch.sqrt(sum((g.double() ** 2).sum() for g in clipped)))
-        reducer.end_window()
+        reducer.window.end()
     out["after_window"] = memory.current(MemoryKind.GRAD_PARTITIONS)
     out["tickets"] = (pair.checker.issued, pair.checker.completed)
     return out

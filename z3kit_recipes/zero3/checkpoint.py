@@ -97,7 +97,7 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
                 sharded_like = isinstance(value, torch.Tensor) and value.shape == e.master.shape and value.dim() == 1
                 state[f"optim.{e.name}.{key}"] = _sharded(value, shard.numel, start, stop, mesh) if sharded_like else value
     open_window: list[str] = []
-    for pid, grad in ({} if engine.reducer is None else engine.reducer.window_grads()).items():
+    for pid, grad in ({} if engine.reducer is None else engine.reducer.window.grads()).items():
         start, stop = layout.local_range(pid)
         state[f"grads.{engine.param_names[pid]}"] = _sharded(grad, engine.shards[pid].numel, start, stop, mesh)
         open_window.append(engine.param_names[pid])
@@ -200,7 +200,7 @@ def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[s
                             state["optim.param_groups"][0]):
         group.update(saved)
     if engine.reducer is not None:
-        engine.reducer.restore_window({engine.param_names.index(name): grad for name, grad in grads.items()})
+        engine.reducer.window.restore({engine.param_names.index(name): grad for name, grad in grads.items()})
     if same_world:
         _restore_random_state(state[f"rng.rank{engine.rank}"][0], engine.device)
     engine.restore_progress(manifest["global_step"], manifest["micro_step"], window_open=bool(manifest["open_window"]))

@@ -174,7 +174,7 @@ class Zero3Engine:
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last optimizer step."""
         if self.reducer is not None:
-            self.reducer.end_window()
+            self.reducer.window.end()
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:

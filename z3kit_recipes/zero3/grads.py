@@ -4,7 +4,7 @@
 ready (from a grad-ready hook, or a leaf unit's callback), copies it into a
 ``FlatBucket``, reduces full buckets (sum, scaled to the data-parallel and
 micro-step mean), and copies or adds every rank-local partition into the
-``GradPartitionBuffer`` that the optimizer reads.
+window's partitions that the optimizer reads (``zero3.grad_window``).
 
 Note: the same reductions on every rank.
     Which gradients share a bucket, and in which order the buckets are
@@ -45,7 +45,7 @@ Note: what exists when.
     Buckets are allocated when their first gradient arrives and dropped once
     their reduction has landed; between backwards a rank holds none. The
     partitions are allocated at the first landing of an accumulation window
-    and dropped by ``end_window`` after the optimizer step (or a
+    and dropped by ``window.end`` after the optimizer step (or a
     ``zero_grad``). Both are counted in the ``MemoryLedger``.
 """
 
@@ -59,11 +59,11 @@ import torch
 
 from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
 from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
-from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import CommTicket, StreamPairLike
 from z3kit_recipes.zero3.agreement import Waiter
+from z3kit_recipes.zero3.grad_window import GradWindow
 from z3kit_recipes.zero3.reduction_plan import ReductionPlan
 from z3kit_recipes.zero3.budget import transient_cap
 from z3kit_recipes.zero3.timeline import profiled
@@ -116,10 +116,6 @@ class GradReducer:
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
         self.bucket_dtype = bucket_dtype
         self._bucket_size, self._contiguous = bucket_size, contiguous
-        #: this window's partitions; None between an optimizer step and the first landing after it
-        self.partitions: GradPartitionBuffer | None = None
-        #: parameters that got a gradient on some rank in this window (the rest have none for the optimizer)
-        self._window_used: set[int] = set()
         #: parameters whose gradient arrived on this rank in this backward
         self.arrived: set[int] = set()
         #: second arrivals after their reduction was issued, summed, by id (see the Note)
@@ -132,17 +128,20 @@ class GradReducer:
         self._abandoned: list[_Flight] = []
         #: seconds spent blocked on reductions
         self.comm_wait_s = 0.0
+        self.window = GradWindow({}, [], device=self.device, memory=memory)  # made for ``trainable`` by replan
         self.replan(trainable)
 
     def replan(self, trainable: Sequence[int]) -> None:
         """Partition slots and the reduction plan for ``trainable`` (at
         initialize, and when parameters are unfrozen between windows)."""
-        if self.partitions is not None or self._buckets or self._waiting or self._flights:
+        if self.window.is_open or self._buckets or self._waiting or self._flights:
             raise RuntimeError("the reduction plan changes only between accumulation windows")
         shards = self.shards
         #: partition slot of each trainable parameter id
         self.slot = {pid: i for i, pid in enumerate(trainable)}
-        self._partition_numels = [shards[p].shard_numel for p in trainable]
+        #: this accumulation window's partitions (``zero3.grad_window``)
+        self.window = GradWindow(self.slot, [shards[p].shard_numel for p in trainable], device=self.device,
+                                 memory=self.memory)
         self._numels = {pid: shards[pid].numel for pid in trainable}
         self._padded = {pid: shards[pid].padded_numel for pid in trainable}
         total = sum(self._padded.values())
@@ -303,19 +302,11 @@ class GradReducer:
                 self.streams.complete(flight.ticket, lambda: self.waiter(done.is_completed, done.wait))
                 parts = flight.parts
             self.comm_wait_s += time.perf_counter() - start
-            partitions = self.window()
             for pid, part in parts:
-                partitions.accumulate(self.slot[pid], part)
+                self.window.accumulate(pid, part)
             self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
             if oldest_only:
                 return
-
-    def window(self) -> GradPartitionBuffer:
-        """This window's partitions, allocated at its first landing."""
-        if self.partitions is None:
-            self.partitions = GradPartitionBuffer(self._partition_numels, dtype=torch.float32, device=self.device)
-            self.memory.allocate(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
-        return self.partitions
 
     def finish(self) -> None:
         """End of backward: zeros for the gradients that never came, every
@@ -349,50 +340,21 @@ class GradReducer:
             self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
         self._buckets, self._waiting, self.late, self.arrived = {}, {}, {}, set()
         self._next = 0
-        self.end_window()
+        self.window.end()
 
     def mark_used(self, pids: Iterable[int]) -> None:
         """These parameters got a gradient on some rank in this backward (agreed across ranks)."""
-        self._window_used.update(pids)
+        self.window.mark_used(pids)
         self.arrived.clear()
-
-    # -- optimizer side ---------------------------------------------------------------
-    def optimizer_grads(self) -> list[torch.Tensor | None]:
-        """Each trainable parameter's accumulated partition, None where no rank
-        gave it a gradient this window."""
-        if self.partitions is None:
-            return [None] * len(self._partition_numels)
-        views = self.partitions.optimizer_grads()
-        return [v if pid in self._window_used else None for pid, v in zip(self.slot, views)]
-
-    def window_grads(self) -> dict[int, torch.Tensor]:
-        """The open window's partitions of the parameters that have a gradient, by id."""
-        grads = self.optimizer_grads()
-        return {pid: g for pid, g in zip(self.slot, grads) if g is not None}
-
-    def restore_window(self, grads: dict[int, torch.Tensor]) -> None:
-        """Replace the open window by ``grads`` (partitions by parameter id; a resume)."""
-        self.end_window()
-        for pid, grad in grads.items():
-            self.window().accumulate(self.slot[pid], grad)
-        self._window_used = set(grads)
-
-    def end_window(self) -> None:
-        """The optimizer consumed the window (or it was discarded): drop the partitions."""
-        if self.partitions is not None:
-            self.memory.free(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
-            self.partitions = None
-        self._window_used = set()
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the partitions so the global gradient norm is at most
         ``max_norm``; returns the norm before clipping."""
-        local = self.partitions.squared_norm() if self.partitions is not None else torch.zeros((), device=self.device)
-        squared = local.reshape(1).to(torch.float32)
+        squared = self.window.squared_norm().reshape(1).to(torch.float32)
         pending = all_reduce(squared, self.group, async_op=True, log=self.log)
         self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]
         coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0 and self.partitions is not None:
-            self.partitions.scale_(coef)
+        if coef < 1.0:
+            self.window.scale_(coef)
         return norm

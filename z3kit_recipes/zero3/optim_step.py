@@ -41,7 +41,7 @@ class OptimizerStep:
     def run(self) -> None:
         if self.clip > 0:
             self.last_grad_norm = float(self.reducer.clip_(self.clip))
-        for master, grad in zip(self.masters, self.reducer.optimizer_grads()):
+        for master, grad in zip(self.masters, self.reducer.window.optimizer_grads()):
             master.grad = grad
         self.optimizer.step()
         for master in self.masters:
@@ -49,7 +49,7 @@ class OptimizerStep:
         if not self.masters_are_shards:
             for pid, master in zip(self.trainable, self.masters):
                 self.shards[pid].shard.copy_(master.detach())
-        self.reducer.end_window()
+        self.reducer.window.end()
         if len(self.optimizer.state) != self._state_entries:
             # optimizers create a parameter's state at its first step and keep
             # its size after that: measure only when new entries appear
