@@ -179,11 +179,16 @@ class GradReducer:
         if pid in self.arrived or index < self._next:
             return
         if self.plan.alone[index]:
-            self._waiting[index] = torch.zeros(self._padded[pid], dtype=self.bucket_dtype, device=self.device)
-            self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(self._waiting[index]))
+            self._waiting[index] = self._zeros(self._padded[pid])
         else:
             self._bucket(index).skip(pid)
         self._issue_ready()
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        """A gradient of zeros where a rank has none, counted as a bucket."""
+        zeros = torch.zeros(numel, dtype=self.bucket_dtype, device=self.device)
+        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(zeros))
+        return zeros
 
     def _add_again(self, pid: int, grad: torch.Tensor) -> None:
         """A second gradient of ``pid`` in this backward (see the Note)."""
@@ -207,8 +212,7 @@ class GradReducer:
         for pid in sorted(pids):
             grad = self.late.pop(pid, None)
             if grad is None:
-                grad = torch.zeros(self._numels[pid], dtype=self.bucket_dtype, device=self.device)
-                self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(grad))
+                grad = self._zeros(self._numels[pid])
             if len(self._flights) >= MAX_FLIGHTS:
                 self._land(oldest_only=True)
             self._flights.append(self._reduce_alone(pid, grad))
@@ -314,9 +318,7 @@ class GradReducer:
         for index in range(self._next, len(self.plan.buckets)):
             if self.plan.alone[index]:
                 if index not in self._waiting:
-                    pid = self.plan.buckets[index][0]
-                    self._waiting[index] = torch.zeros(self._padded[pid], dtype=self.bucket_dtype, device=self.device)
-                    self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(self._waiting[index]))
+                    self._waiting[index] = self._zeros(self._padded[self.plan.buckets[index][0]])
             else:
                 self._bucket(index).zero_missing()
         self._issue_ready()
