@@ -55,6 +55,7 @@ def _reducer_worker(ctx: WorkerContext, mode: ReduceMode, overlap: bool) -> dict
             out[f"calls{window}"] = log.total_calls()
             out[f"buckets_after{window}"] = memory.current(MemoryKind.GRAD_BUCKETS)
             reducer.mark_used(p for p in range(len(SHAPES)) if p != NEVER)
+            reducer.new_backward()  # the engine's end of backward takes the flags (zero3.step_checks)
         grads = reducer.window.optimizer_grads()
         out["grads"] = [None if g is None else g.clone() for g in grads]
         out["partition_bytes"] = memory.current(MemoryKind.GRAD_PARTITIONS)

@@ -20,6 +20,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from z3kit.process_group import waits_on_host
+
 ProcessGroup = dist.ProcessGroup
 
 # torch 2.13 renamed the single-tensor collectives; the old names warn there.
@@ -67,43 +69,54 @@ class CollectiveLog:
 
 
 #: how a caller waits for a collective: called with ``(is_completed, wait)``, it
-#: returns once ``wait()`` returned (a runtime polls ``is_completed(timeout_s)``
-#: meanwhile to notice a rank that failed); ``wait()``'s result is passed on
+#: returns once ``wait()`` returned (on a backend whose waits block the host, a
+#: runtime polls ``is_completed(timeout_s)`` meanwhile to notice a rank that
+#: failed); ``wait()``'s result is passed on
 Blocker = Callable[[Callable[[float], bool], Callable[[], Any]], Any]
 
 
 class Pending:
     """Handle of a collective that may still be running.
 
-    ``wait()`` blocks until it is done and then runs the follow-up (the
-    scale of a reduction, the copy-out of a gather) exactly once. For a
-    synchronous call the work is already done and ``wait`` only runs the
-    follow-up.
+    ``wait()`` completes it and then runs the follow-up (the scale of a
+    reduction, the copy-out of a gather) exactly once. For a synchronous
+    call the work is already done and ``wait`` only runs the follow-up.
+
+    Note: what ``wait`` means depends on the backend.
+        On gloo (``waits_on_host``), ``Work.wait()`` blocks the host until
+        the collective is done, and a timed wait only raises. On NCCL and
+        HCCL, ``Work.wait()`` makes the current stream wait and returns at
+        once, and a timed ``Work.wait(timeout)`` would block the host,
+        count the timeout from when the work was enqueued and abort the
+        communicator when it runs out. So a timeout is passed to gloo
+        works only; an accelerator work is only ever polled
+        (``is_completed``, which never blocks) or waited on plainly.
     """
 
-    __slots__ = ("_works", "_then", "_done")
+    __slots__ = ("_works", "_then", "_done", "waits_on_host")
 
-    def __init__(self, work: Any | None, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any | None, then: Callable[[], None] | None = None, *, waits_on_host: bool = True) -> None:
         # one work handle, or a list of them (a collective made of several calls)
         self._works: list[Any] = [] if work is None else list(work) if isinstance(work, list) else [work]
         self._then = then
         self._done = False
+        #: ``wait()`` blocks the host (gloo); else it orders streams (see the Note)
+        self.waits_on_host = waits_on_host
 
     @property
     def done(self) -> bool:
         return self._done
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
-        """True once the collective finished (``wait`` will not block);
-        ``timeout_s``: block up to that long for it first. Where ``wait``
-        does not block the host anyway (nccl: the stream waits), that counts
-        as finished."""
+        """True once the collective finished. ``timeout_s``: on a backend
+        whose waits block the host, block up to that long for it first;
+        elsewhere it is ignored, and this only polls (see the Note)."""
         if self._done:
             return True
         for work in self._works:
             if work.is_completed():
                 continue
-            if timeout_s <= 0:
+            if timeout_s <= 0 or not self.waits_on_host:
                 return False
             try:
                 work.wait(timedelta(seconds=timeout_s))
@@ -215,7 +228,7 @@ def all_gather(
         if log is not None:
             log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
         work = _all_gather_single(output, input, group=group, async_op=async_op)
-    pending = Pending(work if async_op else None)
+    pending = Pending(work if async_op else None, waits_on_host=waits_on_host(group))
     if not async_op:
         pending.wait()  # like the reductions: a synchronous call returns a done handle
     return pending
@@ -244,7 +257,7 @@ def reduce_scatter(
     if log is not None:
         log.record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
     work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work if async_op else None, _scaler(output, scale))
+    pending = Pending(work if async_op else None, _scaler(output, scale), waits_on_host=waits_on_host(group))
     if not async_op:
         pending.wait()
     return pending
@@ -265,7 +278,7 @@ def all_reduce(
     if log is not None:
         log.record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work if async_op else None, _scaler(tensor, scale))
+    pending = Pending(work if async_op else None, _scaler(tensor, scale), waits_on_host=waits_on_host(group))
     if not async_op:
         pending.wait()
     return pending
@@ -288,7 +301,7 @@ def broadcast(
     if log is not None:
         log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
     work = dist.broadcast(tensor, group_src=src_rank, group=group, async_op=async_op)
-    return Pending(work if async_op else None, None)
+    return Pending(work if async_op else None, None, waits_on_host=waits_on_host(group))
 
 
 def failed_ranks(ok: bool, group: ProcessGroup | None, device: torch.device | str = "cpu") -> list[int]:

@@ -272,6 +272,7 @@ class FlatBucket:
             with streams.communicate(reads=[self.buffer[:used]], writes=[out], label=label) as ticket:
                 # a partly filled bucket's rows are not adjacent; compact them first
                 source = self.buffer[:used] if columns == rows.shape[1] else rows[:, :columns].contiguous().view(-1)
+                ticket.hold(reads=[source])
                 pending = reduce_scatter(out, source, group, scale=scale, async_op=True, log=log)
             parts = [(key, out[col : col + shard]) for key, col, shard in entries]
         self._entries, self._used = [], 0

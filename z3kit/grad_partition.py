@@ -89,7 +89,7 @@ class GradPartitionBuffer:
                 total += view.to(dtype).pow(2).sum()
         return total
 
-    def scale_(self, factor: float) -> None:
+    def scale_(self, factor: float | torch.Tensor) -> None:
         """Multiply every partition by ``factor`` (gradient clipping)."""
         self.buffer.mul_(factor)
 

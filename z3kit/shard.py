@@ -290,7 +290,7 @@ def gather_shards(
             if flat_in is None:
                 flat_in = torch.cat([s.shard for s in shards])
             out = flat_in.new_empty(world * flat_in.numel())
-            ticket.writes = (out,)
+            ticket.hold(reads=[flat_in], writes=[out])
             pending = all_gather(out, flat_in, group, async_op=True, log=log)
 
         def finish() -> None:

@@ -35,50 +35,69 @@ class Notice:
     message: str
 
 
-def default_store() -> Any | None:
-    """The store every process of the job shares, or None where there is none."""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None or not dist.is_initialized():
-        return None
-    try:
-        return get()
-    except (RuntimeError, ValueError):
-        return None
-
-
 class SideBand:
-    """Notices under ``prefix`` in ``store`` (one board per engine)."""
+    """Notices under ``prefix`` in ``store`` (one board per engine).
+
+    Several readers may follow one board (the engine's thread, and a
+    watcher thread beside it, ``z3kit.peer_watch``): notices are fetched
+    once, under a lock, into a history that each reader walks with a
+    cursor of its own; ``unread`` is the first reader's."""
 
     def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
         self._store, self._prefix, self.rank, self.world = store, prefix, rank, world
+        self._lock = threading.Lock()
         self._posted = 0
         self._seen_total = 0
-        self._cursor = [0] * world  # notices of each rank read so far
+        self._cursor = [0] * world  # notices of each rank fetched so far
+        self._history: list[Notice] = []
+        self._main = BoardReader(self)
 
     def post(self, message: str) -> None:
         """Tell every rank ``message``."""
-        self._store.set(f"{self._prefix}/{self.rank}/{self._posted}", message)
-        self._posted += 1
-        self._store.add(f"{self._prefix}/count", 1)
+        with self._lock:
+            self._store.set(f"{self._prefix}/{self.rank}/{self._posted}", message)
+            self._posted += 1
+            self._store.add(f"{self._prefix}/count", 1)
 
     def count(self) -> int:
         return int(self._store.add(f"{self._prefix}/count", 0))
 
+    def fetched(self, start: int) -> list[Notice]:
+        """Every notice of the other ranks from position ``start`` of the
+        history on, after fetching what the store has that is new."""
+        with self._lock:
+            total = self.count()
+            if total != self._seen_total:
+                self._seen_total = total
+                for rank in range(self.world):
+                    while rank != self.rank:
+                        key = f"{self._prefix}/{rank}/{self._cursor[rank]}"
+                        if not self._store.check([key]):
+                            break
+                        self._history.append(Notice(rank, self._store.get(key).decode()))
+                        self._cursor[rank] += 1
+            return self._history[start:]
+
     def unread(self) -> list[Notice]:
-        """Notices the other ranks posted since the last call, in rank order."""
-        total = self.count()
-        if total == self._seen_total:
-            return []
-        self._seen_total = total
-        out = []
-        for rank in range(self.world):
-            while rank != self.rank:
-                key = f"{self._prefix}/{rank}/{self._cursor[rank]}"
-                if not self._store.check([key]):
-                    break
-                out.append(Notice(rank, self._store.get(key).decode()))
-                self._cursor[rank] += 1
-        return out
+        """Notices the other ranks posted since the last call, in the order fetched."""
+        return self._main.unread()
+
+    def reader(self) -> BoardReader:
+        """A reader of its own, with its own cursor (for another thread)."""
+        return BoardReader(self)
+
+
+class BoardReader:
+    """One reader's cursor over a ``SideBand``'s notices."""
+
+    def __init__(self, board: SideBand) -> None:
+        self._board = board
+        self._position = 0
+
+    def unread(self) -> list[Notice]:
+        notices = self._board.fetched(self._position)
+        self._position += len(notices)
+        return notices
 
 
 class WatchedWait:

@@ -60,6 +60,12 @@ class CommTicket:
     event: Any = None
     completed: bool = False
 
+    def hold(self, *, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:
+        """Buffers made inside ``communicate`` (a concatenated input, a
+        compacted copy) that the collective uses: held until completion too."""
+        self.reads = (*self.reads, *reads)
+        self.writes = (*self.writes, *writes)
+
     def close(self, event: Any = None) -> None:
         """Completed: compute is ordered after the communication; the buffers are the owner's again."""
         self.event, self.completed = event, True
@@ -85,8 +91,18 @@ def _ticket(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], label
     return CommTicket(label, tuple(reads), tuple(writes))
 
 
+#: stream priority of the communication streams: the highest, as FSDP2 gives its own, so
+#: that a collective's kernels are scheduled ahead of compute kernels queued beside them
+COMM_PRIORITY = -1
+
+
 class StreamPair:
-    """Compute + communication stream of one accelerator device (see the module Notes)."""
+    """Compute + communication stream of one accelerator device (see the module Notes).
+
+    The compute stream is whatever stream is current when a communication
+    is issued or completed, not the one current when the pair was made: a
+    user who trains under ``with torch.cuda.stream(s)`` gets ``s`` ordered
+    against the collectives."""
 
     def __init__(self, device: torch.device | str) -> None:
         device = _as_device(device)
@@ -96,8 +112,15 @@ class StreamPair:
         self._module: Any = torch.get_device_module(device)
         if not self._module.is_available():
             raise ValueError(f"StreamPair needs a {device.type} device, but none is available")
-        self.compute = self._module.current_stream(device)
-        self.comm = self._module.Stream(device=device)
+        try:
+            self.comm = self._module.Stream(device=device, priority=COMM_PRIORITY)
+        except TypeError:  # a device module whose streams take no priority
+            self.comm = self._module.Stream(device=device)
+
+    @property
+    def compute(self) -> Any:
+        """The stream compute runs on now."""
+        return self._module.current_stream(self._device)
 
     @property
     def device(self) -> torch.device:
@@ -118,12 +141,13 @@ class StreamPair:
         follow-ups), then the compute stream waits on the event recorded after it."""
         if ticket.completed:
             return
+        compute = self.compute
         # buffers compute allocated for the follow-ups (a gather's copy-out) are written there
-        self.comm.wait_stream(self.compute)
+        self.comm.wait_stream(compute)
         with self._module.stream(self.comm):
             finish()
             event = self.comm.record_event()
-        self.compute.wait_event(event)
+        compute.wait_event(event)
         ticket.close(event)
 
     def synchronize(self) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from z3kit.collectives import Blocker, Pending, ProcessGroup, all_gather
+from z3kit.host_copy import HostCopy, to_device
 
 #: completes a collective while watching the other ranks (``z3kit.collectives.Blocker``)
 Waiter = Blocker
@@ -49,6 +50,8 @@ _MASK = (1 << 62) - 1
 ARRIVED = 1
 #: ... and a second one arrived after its reduction was issued (reduced after the check)
 LATE = 2
+#: its gradient (or a leaf unit's word that it has none) came during backward, not filled in at its end
+HANDED = 4
 
 
 class RanksDisagree(RuntimeError):
@@ -82,20 +85,37 @@ def start_step_check(
     record: StepRecord,
     flags: Sequence[int],
 ) -> StepCheck:
-    """Begin comparing this backward across ranks (collective, in flight:
-    the end of backward's last reductions overlap it); ``StepCheck.result``
-    completes it."""
+    """Begin comparing this backward across ranks (collective, in flight);
+    ``StepCheck.stage`` and ``StepCheck.result`` complete it. Nothing here
+    waits for the device: the values go up through pinned memory."""
     world = dist.get_world_size(group)
     words = [global_step, micro_step, record.gathers, len(record.fetches), record.fingerprint()]
-    packed = torch.zeros((len(flags) + 7) // 8 * 8, dtype=torch.uint8)  # one byte a parameter, eight to a word
-    packed[: len(flags)] = torch.tensor(list(flags), dtype=torch.uint8)
-    mine = torch.cat([torch.tensor(words, dtype=torch.int64), packed.view(torch.int64)]).to(device)
+    packed = bytearray((len(flags) + 7) // 8 * 8)  # one byte a parameter, eight to a word
+    packed[: len(flags)] = bytes(flags)
+    words += [int.from_bytes(packed[i : i + 8], "little", signed=True) for i in range(0, len(packed), 8)]
+    mine = to_device(words, torch.int64, device)
     everyone = mine.new_empty(world * mine.numel())
     pending = all_gather(everyone, mine, group, async_op=True)
-    return StepCheck(group, pending, everyone, len(flags), list(record.fetches))
+    return StepCheck(group, pending, everyone, len(flags), list(record.fetches), global_step)
 
 
 @attrs.frozen
+class CheckOutcome:
+    """What a step check found, per trainable parameter (in ``flags`` order)."""
+
+    #: every rank's header: (optimizer step, micro-step, gathers, fetches, fingerprint)
+    headers: list[list[int]]
+    #: each rank's flags, ``flags[rank][i]``
+    flags: list[list[int]]
+
+    def any_rank(self, bit: int) -> list[bool]:
+        return [any(f[i] & bit for f in self.flags) for i in range(len(self.flags[0]))] if self.flags else []
+
+    def ranks_with(self, i: int, bit: int) -> list[int]:
+        return [r for r, f in enumerate(self.flags) if f[i] & bit]
+
+
+@attrs.define(eq=False)
 class StepCheck:
     """A step check in flight (``start_step_check``)."""
 
@@ -104,22 +124,46 @@ class StepCheck:
     everyone: torch.Tensor
     n_params: int
     fetches: list[tuple[str, int]]
+    #: the optimizer step it was started in
+    global_step: int
+    _copy: HostCopy | None = None
+    _outcome: CheckOutcome | None = None
 
-    def result(self, waiter: Waiter) -> list[int]:
-        """For each trainable parameter, the flags of every rank or'ed
-        (``ARRIVED``: some rank gave it a gradient; ``LATE``: some rank holds
-        a late one). Raises ``RanksDisagree`` on every rank when anything else differs."""
-        waiter(self.pending.is_completed, self.pending.wait)
-        table = self.everyone.view(dist.get_world_size(self.group), -1).cpu()
-        headers = table[:, :HEADER_WORDS].tolist()
+    def stage(self, waiter: Waiter) -> None:
+        """Order the copy of the result to the host behind the collective,
+        without waiting (on a backend whose waits block the host, nothing is
+        done: ``result`` waits)."""
+        if self._copy is None and not self.pending.waits_on_host:
+            waiter(self.pending.is_completed, self.pending.wait)  # a stream wait
+            self._copy = HostCopy(self.everyone)
+
+    @property
+    def read(self) -> bool:
+        return self._outcome is not None
+
+    def result(self, waiter: Waiter) -> CheckOutcome:
+        """Every rank's header and flags. Raises ``RanksDisagree`` on every
+        rank (collective: call it where every rank reads its check) when
+        the headers differ."""
+        outcome = self.peek(waiter)
+        headers = outcome.headers
         if any(h != headers[0] for h in headers):
             _raise_disagreement(self.group, headers, self.fetches)
-        flags_of_all = table[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : self.n_params]
-        if not self.n_params:
-            return []
-        out: list[int] = sum(((flags_of_all & bit).amax(dim=0) for bit in (ARRIVED, LATE)), torch.zeros(
-            self.n_params, dtype=torch.uint8)).tolist()
-        return out
+        return outcome
+
+    def peek(self, waiter: Waiter) -> CheckOutcome:
+        """``result`` without the collective that explains a disagreement."""
+        if self._outcome is None:
+            if self._copy is None:
+                waiter(self.pending.is_completed, self.pending.wait)
+                self._copy = HostCopy(self.everyone)
+            host = self._copy.host()
+            with torch._C.DisableTorchFunction():  # host memory: nothing waits for a device here
+                rows = host.view(dist.get_world_size(self.group), -1)
+                headers = rows[:, :HEADER_WORDS].tolist()
+                flags = rows[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : self.n_params].tolist()
+            self._outcome = CheckOutcome(headers, flags)
+        return self._outcome
 
 
 def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], mine: list[tuple[str, int]]) -> None:
@@ -150,6 +194,62 @@ def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], mine: lis
     raise RanksDisagree("; ".join(lines))
 
 
+@attrs.frozen
+class FetchCheck:
+    """One forward fetch's agreement in flight (``issue_fetch_check``)."""
+
+    micro_step: int
+    index: int
+    fetch: tuple[str, int] | None
+    pending: Pending
+    everyone: torch.Tensor
+
+
+def issue_fetch_check(
+    group: ProcessGroup, device: torch.device, *, micro_step: int, index: int, fetch: tuple[str, int] | None
+) -> FetchCheck:
+    """Start agreeing that every rank is about to do forward fetch ``index``
+    the same way (``fetch``: its name and elements; None: this rank's
+    forward is over). Collective; ``settle_fetch_checks`` reads it."""
+    world = dist.get_world_size(group)
+    name_hash = -1 if fetch is None else int.from_bytes(hashlib.blake2b(fetch[0].encode(), digest_size=7).digest(), "little")
+    mine = to_device([micro_step, index, name_hash, -1 if fetch is None else fetch[1]], torch.int64, device)
+    everyone = mine.new_empty(world * mine.numel())
+    return FetchCheck(micro_step, index, fetch, all_gather(everyone, mine, group, async_op=True), everyone)
+
+
+def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck]) -> None:
+    """Read ``checks`` in one copy to the host; raises ``RanksDisagree`` on
+    every rank at the first fetch the ranks did differently (collective:
+    every rank settles the same checks at the same point)."""
+    if not checks:
+        return
+    for check in checks:
+        waiter(check.pending.is_completed, check.pending.wait)
+    copy = HostCopy(torch.cat([c.everyone for c in checks]))
+    world = dist.get_world_size(group)
+    host = copy.host()
+    with torch._C.DisableTorchFunction():  # host memory
+        tables = host.view(len(checks), world, -1).tolist()
+    for check, rows in zip(checks, tables):
+        if any(row != rows[0] for row in rows):
+            _explain_fetch(group, check)
+
+
+def _explain_fetch(group: ProcessGroup, check: FetchCheck) -> None:
+    world = dist.get_world_size(group)
+    fetches: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(fetches, check.fetch, group=group)
+    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else f"rank {r} has finished its forward"
+           for r, f in enumerate(fetches)]
+    raise RanksDisagree(
+        f"the ranks are not running the same forward: at fetch #{check.index} of micro-step {check.micro_step}, "
+        + "; ".join(did)
+        + "; every rank must run the same modules in the same order while a trace is recorded (a "
+        "rank-dependent subtree can be marked as a leaf module, gathered as one unit)"
+    )
+
+
 def agree_on_fetch(
     group: ProcessGroup,
     device: torch.device,
@@ -159,26 +259,7 @@ def agree_on_fetch(
     index: int,
     fetch: tuple[str, int] | None,
 ) -> None:
-    """Before a forward fetch that no recorded trace vouches for: every rank
-    must be about to fetch the same module (``fetch``: its name and
-    elements; None: this rank's forward is over). Collective; raises
-    ``RanksDisagree`` on every rank, before any gather could mismatch."""
-    world = dist.get_world_size(group)
-    name_hash = -1 if fetch is None else int.from_bytes(hashlib.blake2b(fetch[0].encode(), digest_size=7).digest(), "little")
-    mine = torch.tensor([micro_step, index, name_hash, -1 if fetch is None else fetch[1]], dtype=torch.int64, device=device)
-    everyone = mine.new_empty(world * mine.numel())
-    pending = all_gather(everyone, mine, group, async_op=True)
-    waiter(pending.is_completed, pending.wait)
-    rows = everyone.view(world, -1).tolist()
-    if all(row == rows[0] for row in rows):
-        return
-    fetches: list[tuple[str, int] | None] = [None] * world
-    dist.all_gather_object(fetches, fetch, group=group)
-    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else f"rank {r} has finished its forward"
-           for r, f in enumerate(fetches)]
-    raise RanksDisagree(
-        f"the ranks are not running the same forward: at fetch #{index} of micro-step {micro_step}, "
-        + "; ".join(did)
-        + "; every rank must run the same modules in the same order while a trace is recorded (a "
-        "rank-dependent subtree can be marked as a leaf module, gathered as one unit)"
-    )
+    """``issue_fetch_check`` and ``settle_fetch_checks`` at once: before a
+    forward fetch that no recorded trace vouches for, raise
+    ``RanksDisagree`` on every rank before any gather could mismatch."""
+    settle_fetch_checks(group, waiter, [issue_fetch_check(group, device, micro_step=micro_step, index=index, fetch=fetch)])

@@ -18,12 +18,14 @@ import torch
 from z3kit.hooks import ModuleHooks, in_backward
 from z3kit.leaf import ParamGrads
 from z3kit.shard import ParamShard
-from z3kit_recipes.zero3.agreement import ARRIVED, LATE, RanksDisagree, StepCheck, StepRecord, start_step_check
+from z3kit_recipes.zero3.agreement import RanksDisagree, StepRecord
 from z3kit_recipes.zero3.backward_once import OneBackwardPerForward
+from z3kit_recipes.zero3.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.grads import GradReducer
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
-from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
+from z3kit_recipes.zero3.ranks import RankWatch
+from z3kit_recipes.zero3.step_checks import StepChecks
 
 
 class BackwardPass:
@@ -43,6 +45,7 @@ class BackwardPass:
         watch: RankWatch,
         agreement: FetchAgreement,
         training_state: TrainingState,
+        defer_reductions: bool = False,
     ) -> None:
         self.shards, self.names, self.trainable, self.leaf_params = shards, names, trainable, leaf_params
         self.coordinator, self.reducer, self.hooks, self.record = coordinator, reducer, hooks, record
@@ -52,6 +55,10 @@ class BackwardPass:
         self.once = OneBackwardPerForward(watch, hooks, record, coordinator.root)
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
+        #: the step checks in flight and what they taught (``zero3.step_checks``)
+        self.checks = None if reducer is None else StepChecks(
+            reducer, watch, agreement.device, names, global_step=lambda: training_state.global_step,
+            defer_all=defer_reductions)
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
         self.watch_gradients(trainable)
 
@@ -109,6 +116,11 @@ class BackwardPass:
         self.training_state.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
+    def before_step(self) -> None:
+        """The optimizer step is next: what got a gradient in the window is settled (``zero3.step_checks``)."""
+        if self.checks is not None:
+            self.checks.before_step(self.trainable)
+
     def abort(self, *, ranks_in_step: bool) -> None:
         """The backward raised (``ranks_in_step``: on every rank at the same
         point): no epilogue comes; its gradients are dropped. One refused
@@ -126,16 +138,20 @@ class BackwardPass:
             self.hooks.finish_backward()
             self.coordinator.finish_schedule()
             self.coordinator.finish_rounds()
-            if self.reducer is not None:
-                check = self._start_check()
-                self.reducer.finish()
+            if self.reducer is not None and self.checks is not None:
+                self.reducer.finish()  # every reduction issued, before the check: one order on every rank
+                started = time.perf_counter()
                 try:
-                    late_pids = self._agree(check)
+                    self.agreement.settle()
+                    # with rank-divergent graphs the ranks' fetches differ by design (``zero3.rounds``)
+                    record = self.record if self.coordinator.rounds is None else StepRecord()
+                    self.checks.end_of_backward(self.trainable, record, self.training_state.micro_step)
                 except RanksDisagree as exc:
                     self.watch.broken = str(exc)  # every rank raised it: none may go on alone
                     raise
-                if late_pids:
-                    self.reducer.reduce_late(late_pids)
+                finally:
+                    self.record.clear()
+                    self.check_s += time.perf_counter() - started
             late = [self.names[p] for p in self.leaf_params if self.shards[p].param.grad is not None]
             if late:
                 raise RuntimeError(
@@ -147,41 +163,3 @@ class BackwardPass:
             self.hooks.reset()
             self.training_state.phase = Phase.IDLE
         self.training_state.micro_step += 1
-
-    def _start_check(self) -> StepCheck | None:
-        """Begin comparing this backward across ranks (see ``zero3.agreement``); None on one rank."""
-        assert self.reducer is not None
-        if self.watch.world == 1:
-            return None
-        # not on the reduction group: the ranks may still have different
-        # bucket flushes to issue there (zero-filled where no gradient came)
-        return start_step_check(
-            self.agreement.group,
-            self.agreement.device,
-            global_step=self.training_state.global_step,
-            micro_step=self.training_state.micro_step,
-            # with rank-divergent graphs the ranks' fetches differ by design (``zero3.rounds``)
-            record=self.record if self.coordinator.rounds is None else StepRecord(),
-            flags=self._flags(),
-        )
-
-    def _flags(self) -> list[int]:
-        """What this rank holds for each trainable parameter (``zero3.agreement``'s flags)."""
-        assert self.reducer is not None
-        arrived, late = self.reducer.arrived, self.reducer.late
-        return [(ARRIVED if pid in arrived else 0) | (LATE if pid in late else 0) for pid in self.trainable]
-
-    def _agree(self, check: StepCheck | None) -> list[int]:
-        """Finish the comparison: the parameters that got a gradient on some
-        rank are the window's (see ``zero3.agreement``). Returns those that
-        some rank holds a late gradient for (see ``zero3.grads``)."""
-        assert self.reducer is not None
-        if check is None:
-            flags = self._flags()
-        else:
-            started = time.perf_counter()
-            flags = check.result(self.watch.wait)
-            self.check_s += time.perf_counter() - started
-        self.record.clear()
-        self.reducer.mark_used(pid for pid, f in zip(self.trainable, flags) if f & ARRIVED)
-        return [pid for pid, f in zip(self.trainable, flags) if f & LATE]

@@ -43,7 +43,9 @@ from z3kit_recipes.zero3.optim_step import OptimizerStep
 from z3kit_recipes.zero3.param_use import ParamUseMode
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
-from z3kit_recipes.zero3.ranks import FetchAgreement, RankWatch
+from z3kit_recipes.zero3.fetch_agreement import FetchAgreement
+from z3kit_recipes.zero3.ranks import RankWatch
+from z3kit_recipes.zero3.timeouts import collective_timeout
 from z3kit_recipes.zero3.rounds import FetchRounds
 from z3kit_recipes.zero3.stats import StepStats
 from z3kit_recipes.zero3.timeline import Timeline
@@ -125,7 +127,7 @@ def assemble(
     holder: dict[str, Any] = {}  # the coordinator, for the watch's messages (made below)
     watch = RankWatch(
         group,
-        timeout_s=config.collective_timeout_s,
+        timeout_s=collective_timeout(config.collective_timeout_s, group),
         describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
         position=lambda: (state.micro_step, _position(state, holder["coordinator"], holder["meeting"])),
     )
@@ -153,8 +155,7 @@ def assemble(
 
     # the parameter path
     record, timeline = StepRecord(), Timeline()
-    #: fetches no trace vouches for are agreed on a group of their own
-    agreement = FetchAgreement(_twin_group(group), device, watch, lambda: state.micro_step)
+    agreement = FetchAgreement(group, device, watch, lambda: state.micro_step)
     leaf_roots = set(leaf_modules)
     hooked = fetch_groups(module, params, leaf_roots)
     gatherer = Gatherer(
@@ -272,8 +273,8 @@ def _build_reducer(
     return GradReducer(
         layout.shards,
         layout.trainable,
-        # reductions run on a process group of their own (see the Note in zero3.grads)
-        group=_twin_group(group),
+        # one communicator for gathers and reductions (see the Note in zero3.step_checks)
+        group=group,
         waiter=watch.wait,
         streams=streams,
         log=log,
@@ -282,20 +283,6 @@ def _build_reducer(
         bucket_dtype=config.torch_dtype,  # reduce in the compute dtype, as DeepSpeed does; accumulate in fp32
         mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
         overlap=config.overlap_comm,
-        # with divergent graphs a wait on a reduction during backward could wait on a rank stuck in a round
-        never_wait_in_backward=config.divergent_graphs,
         contiguous=config.contiguous_gradients,
         scale=1.0 / (world * config.gradient_accumulation_steps),
     )
-
-
-def _twin_group(group: ProcessGroup) -> ProcessGroup:
-    """A second process group over the same ranks and backend (collective over
-    those ranks only), so that two kinds of traffic keep their own order."""
-    if dist.get_world_size(group) == 1:
-        return group
-    twin: ProcessGroup | None = dist.new_group(
-        ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True
-    )
-    assert twin is not None
-    return twin

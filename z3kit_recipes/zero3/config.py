@@ -71,8 +71,11 @@ class Zero3Config:
     #: gathers in flight at once (demand fetches included)
     max_inflight_gathers: int = attrs.field(default=2, validator=int_validator(at_least=1))
     #: seconds a collective may wait for the other ranks before the engine gives up and
-    #: names the ranks that did not answer (torch's own process-group timeout still applies)
-    collective_timeout_s: float = attrs.field(default=1800.0, validator=number_validator(above=0.0))
+    #: names the ranks that did not answer; it must be shorter than the process group's own
+    #: timeout (after which NCCL's watchdog ends the process with a message of its own).
+    #: None: 90% of the process group's timeout (1800 s where torch does not tell it)
+    collective_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(number_validator(above=0.0)))
     #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
     #: each training forward, as DDP's ``broadcast_buffers=True`` does
     broadcast_buffers: bool = attrs.field(default=True, validator=bool_validator())

@@ -159,6 +159,7 @@ class Zero3Engine:
         if not self.is_accumulation_boundary():
             return False
         if self.parts.optimizer_step is not None:
+            self.parts.backward.before_step()
             self.parts.optimizer_step.run()
         self.coordinator.refresh_persistent()
         self.training_state.global_step += 1

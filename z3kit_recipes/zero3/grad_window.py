@@ -78,6 +78,6 @@ class GradWindow:
         """Sum of squares of this rank's partitions (zero for an empty window)."""
         return self.partitions.squared_norm() if self.partitions is not None else torch.zeros((), device=self.device)
 
-    def scale_(self, factor: float) -> None:
+    def scale_(self, factor: float | torch.Tensor) -> None:
         if self.partitions is not None:
             self.partitions.scale_(factor)

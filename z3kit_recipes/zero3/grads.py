@@ -15,9 +15,11 @@ Note: the same reductions on every rank.
     was reduced; at the end of backward the gradients that never came (a
     parameter unused on this rank, an expert without tokens, a branch whose
     output did not reach this rank's loss) are zeros. So every rank issues
-    the same collectives, in the same order, whatever its graph did; the
-    reductions run on a process group of their own, so that they cannot
-    interleave differently with the gathers on different ranks. Which
+    the same collectives, in the same order, whatever its graph did. The
+    reductions share the gathers' communicator, so a bucket is issued
+    before the end of backward only when it will be at the same point on
+    every rank: when each of its parameters is ``reliable`` (see the Note
+    in ``zero3.step_checks``). Which
     parameters got a gradient on some rank is agreed at the end of backward
     (``zero3.agreement``): one that got none anywhere has none for the
     optimizer, as after ``zero_grad(set_to_none=True)``.
@@ -104,20 +106,22 @@ class GradReducer:
         overlap: bool,
         contiguous: bool,
         scale: float,
-        never_wait_in_backward: bool = False,
     ) -> None:
         self.shards = shards
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
         self.waiter = waiter
         self.mode, self.overlap, self.scale = mode, overlap, scale
-        #: land only finished reductions until ``finish`` (``zero3.rounds``)
-        self.never_wait_in_backward = never_wait_in_backward
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
         self.bucket_dtype = bucket_dtype
         self._bucket_size, self._contiguous = bucket_size, contiguous
         #: parameters whose gradient arrived on this rank in this backward
         self.arrived: set[int] = set()
+        #: ... or that a leaf unit said had none: handed over during backward, not filled in at its end
+        self.handed: set[int] = set()
+        #: parameters whose buckets may be issued as soon as they are full (None: any; see the Note)
+        self.reliable: set[int] | None = set()
+        self._early: list[bool] = []  # per bucket of the plan: all of its parameters reliable
         #: second arrivals after their reduction was issued, summed, by id (see the Note)
         self.late: dict[int, torch.Tensor] = {}
         self._buckets: dict[int, FlatBucket] = {}
@@ -150,6 +154,17 @@ class GradReducer:
         #: elements of one bucket at most (0: every gradient is reduced on its own)
         self.bucket_capacity = capacity - capacity % self.world if self._contiguous and capacity >= self.world else 0
         self.plan = ReductionPlan.make(list(reversed(trainable)), self._numels, self._padded, self.bucket_capacity)
+        self.reliability_changed()
+
+    def reliability_changed(self) -> None:
+        """``reliable`` changed: which buckets may go before the end of backward."""
+        reliable = self.reliable
+        self._early = [reliable is None or all(p in reliable for p in pids) for pids in self.plan.buckets]
+
+    def new_backward(self) -> None:
+        """The flags of a backward were taken (``zero3.step_checks``): the next one starts afresh."""
+        self.arrived.clear()
+        self.handed.clear()
 
     # -- adding ------------------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor) -> None:
@@ -162,6 +177,7 @@ class GradReducer:
             self._add_again(pid, grad)
             return
         self.arrived.add(pid)
+        self.handed.add(pid)
         self._land(finished_only=True)
         index = self.plan.bucket_of[pid]
         if self.plan.alone[index]:
@@ -178,6 +194,7 @@ class GradReducer:
         index = self.plan.bucket_of[pid]
         if pid in self.arrived or index < self._next:
             return
+        self.handed.add(pid)
         if self.plan.alone[index]:
             self._waiting[index] = self._zeros(self._padded[pid])
         else:
@@ -238,19 +255,21 @@ class GradReducer:
             self.memory.allocate(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
         return bucket
 
-    def _ready(self, index: int) -> bool:
+    def _ready(self, index: int, *, finishing: bool = False) -> bool:
+        if not (finishing or self._early[index]):
+            return False
         if self.plan.alone[index]:
             return index in self._waiting
         bucket = self._buckets.get(index)
         return bucket is not None and bucket.is_full()
 
-    def _issue_ready(self) -> None:
-        while self._next < len(self.plan.buckets) and self._ready(self._next):
+    def _issue_ready(self, *, finishing: bool = False) -> None:
+        while self._next < len(self.plan.buckets) and self._ready(self._next, finishing=finishing):
             self._issue(self._next)
             self._next += 1
 
     def _issue(self, index: int) -> None:
-        if len(self._flights) >= MAX_FLIGHTS and not self.never_wait_in_backward:
+        if len(self._flights) >= MAX_FLIGHTS:
             self._land(oldest_only=True)
         if self.plan.alone[index]:
             self._flights.append(self._reduce_alone(self.plan.buckets[index][0], self._waiting.pop(index)))
@@ -259,7 +278,7 @@ class GradReducer:
             with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
                 flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
             self._flights.append(_Flight(flush, None, [], bucket.nbytes))
-        if not self.overlap and not self.never_wait_in_backward:
+        if not self.overlap:
             self._land()  # issued asynchronously all the same, so that the wait is a watched one
 
     def _reduce_alone(self, pid: int, grad: torch.Tensor) -> _Flight:
@@ -321,7 +340,7 @@ class GradReducer:
                     self._waiting[index] = self._zeros(self._padded[self.plan.buckets[index][0]])
             else:
                 self._bucket(index).zero_missing()
-        self._issue_ready()
+        self._issue_ready(finishing=True)
         self._land()
         self._next = 0
 
@@ -340,23 +359,23 @@ class GradReducer:
             self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(held))
         for bucket in self._buckets.values():
             self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
-        self._buckets, self._waiting, self.late, self.arrived = {}, {}, {}, set()
+        self._buckets, self._waiting, self.late, self.arrived, self.handed = {}, {}, {}, set(), set()
         self._next = 0
         self.window.end()
 
     def mark_used(self, pids: Iterable[int]) -> None:
-        """These parameters got a gradient on some rank in this backward (agreed across ranks)."""
+        """These parameters got a gradient on some rank in a backward of this window (agreed across ranks)."""
         self.window.mark_used(pids)
-        self.arrived.clear()
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the partitions so the global gradient norm is at most
-        ``max_norm``; returns the norm before clipping."""
+        ``max_norm``; returns the norm before clipping. All on the device,
+        as ``torch.nn.utils.clip_grad_norm_`` does: the scale is
+        ``min(1, max_norm / (norm + 1e-6))``, applied whatever its value,
+        so the host never reads the norm."""
         squared = self.window.squared_norm().reshape(1).to(torch.float32)
         pending = all_reduce(squared, self.group, async_op=True, log=self.log)
         self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            self.window.scale_(coef)
+        self.window.scale_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm

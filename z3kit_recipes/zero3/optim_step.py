@@ -34,13 +34,19 @@ class OptimizerStep:
         self.optimizer, self.reducer = optimizer, reducer
         self.shards, self.trainable, self.masters = shards, trainable, masters
         self.masters_are_shards, self.clip, self.memory = masters_are_shards, clip, memory
-        #: the global gradient norm before the last clip (None: no clipping)
-        self.last_grad_norm: float | None = None
+        #: the global gradient norm before the last clip, on the device (read by ``last_grad_norm``)
+        self._last_norm: torch.Tensor | None = None
         self._state_entries = 0
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before the last clip (None: no clipping).
+        Reading it waits for the device; the step itself never does."""
+        return None if self._last_norm is None else float(self._last_norm)
 
     def run(self) -> None:
         if self.clip > 0:
-            self.last_grad_norm = float(self.reducer.clip_(self.clip))
+            self._last_norm = self.reducer.clip_(self.clip)
         for master, grad in zip(self.masters, self.reducer.window.optimizer_grads()):
             master.grad = grad
         self.optimizer.step()

@@ -1,15 +1,29 @@
 """What an engine does when another rank fails, dies or goes quiet.
 
-``RankWatch`` completes every collective of the engine through a watched
-wait (``z3kit.sideband``): while a collective is unfinished, the ranks'
-notice board is read now and then. A rank whose forward or backward raises
-posts why before it re-raises; every other rank finds the notice within a
-fraction of a second and raises ``RankFailed`` with it, and from then on
-every call of every engine raises the same error instead of waiting in a
-collective that can no longer pair. A collective that fails (a peer's
-connection closed) or waits longer than ``collective_timeout_s`` makes the
-rank post that it is waiting, give the others a moment to answer, and name
-the ranks that did not: lost, or stuck elsewhere.
+A rank whose forward or backward raises posts why on the ranks' notice
+board (``z3kit.sideband``) before it re-raises; every other rank finds the
+notice within a fraction of a second and raises ``RankFailed`` with it,
+and from then on every call of every engine raises the same error instead
+of waiting in a collective that can no longer pair. A collective that
+fails (a peer's connection closed) or waits longer than
+``collective_timeout_s`` makes the rank post that it is waiting, give the
+others a moment to answer, and name the ranks that did not: lost, or stuck
+elsewhere.
+
+Note: where the watching happens, per backend.
+    On gloo, completing a collective blocks the host anyway, so
+    ``RankWatch.wait`` blocks in it a slice at a time and reads the board
+    between slices (``WatchedWait``). On NCCL and HCCL, completing one only
+    makes the stream wait and the host runs ahead: ``wait`` does just that,
+    and a ``z3kit.peer_watch.PeerWatcher`` thread reads the board and
+    follows the collectives in flight. When a peer failed or a collective
+    stalled, it marks the engine broken and aborts the process group, so
+    that a host blocked on the device (a ``loss.item()``) gets an error
+    instead of waiting forever; the engine's next call raises
+    ``RankFailed`` with the reason. ``collective_timeout_s`` is kept
+    shorter than the process group's own timeout (``zero3.build``), so
+    that this happens before NCCL's watchdog tears the process down with
+    a message of its own.
 
 Informational notices (a rank that left the recorded trace of a step) are
 not errors on their own: ranks whose programs change in the same way all
@@ -19,15 +33,19 @@ post one; they are quoted when something does fail.
 from __future__ import annotations
 
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from z3kit import process_group
 from z3kit.collectives import ProcessGroup
-from z3kit.sideband import Notice, SideBand, WatchedWait, default_store, in_thread
-from z3kit_recipes.zero3.agreement import RanksDisagree, agree_on_fetch
+from z3kit.peer_watch import PeerWatcher
+from z3kit.sideband import Notice, SideBand, WatchedWait, in_thread
+from z3kit_recipes.zero3.agreement import RanksDisagree
 
 FAILED = "failed: "
 NOTE = "note: "
@@ -70,6 +88,7 @@ class RankWatch:
         poll_s: float = 0.05,
     ) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
         self.describe = describe
         #: (micro-step, forward fetches done; a large number once forward is over)
         self.position = position
@@ -78,13 +97,24 @@ class RankWatch:
         self._left: list[tuple[int, tuple[int, int], str]] = []
         #: the message every call raises once the ranks no longer run together
         self.broken: str | None = None
-        store = default_store() if self.world > 1 else None
+        store = process_group.shared_store() if self.world > 1 else None
         self.board: SideBand | None = None
         if store is not None:
             token = [f"{time.time_ns():x}" if self.rank == 0 else ""]
             dist.broadcast_object_list(token, group_src=0, group=group)
             self.board = SideBand(store, f"z3kit/engine/{token[0]}", self.rank, self.world)
+        elif self.world > 1:
+            _warn_unwatched()
         self._watched = WatchedWait(self.board, self._on_notices, self._on_timeout, timeout_s=timeout_s, poll_s=poll_s)
+        #: completing a collective blocks the host (gloo); else it orders streams (see the Note)
+        self.waits_on_host = process_group.waits_on_host(group)
+        #: FAILED notices of other ranks the watcher has seen, by position tag: (rank, first seen, notice)
+        self._peer_failures: dict[str, tuple[float, Notice]] = {}
+        #: position tags of this rank's own failures (a peer that failed at the same point is in step)
+        self._own_failures: set[str] = set()
+        self.watcher: PeerWatcher | None = None
+        if self.board is not None and not self.waits_on_host:
+            self.watcher = _start_watcher(self, self.board, timeout_s)
 
     # -- the waits ---------------------------------------------------------------------
     def wait(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
@@ -92,7 +122,21 @@ class RankWatch:
         no longer run together, raise at once instead of waiting."""
         if self.broken is not None:
             raise RankFailed(self.broken)
-        return self._completed(done, wait)
+        if self.watcher is None:
+            return self._completed(done, wait)
+        self.watcher.follow(lambda: done(0.0), "a collective")
+        try:
+            return wait()  # orders the stream; returns at once
+        except RuntimeError as exc:  # the process group was aborted (by the watcher, or NCCL's watchdog)
+            self.raise_if_broken()
+            self._fail_together(f"a collective failed on rank {self.rank} ({exc})")
+            raise  # unreachable: _fail_together raises
+
+    def raise_if_broken(self) -> None:
+        """After the host waited on the device: if the watcher found the
+        ranks broken meanwhile, what was waited for may be garbage; raise."""
+        if self.broken is not None:
+            raise RankFailed(self.broken)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, a blocking collective call with no handle to wait on
@@ -132,6 +176,7 @@ class RankWatch:
         if isinstance(exc, RanksDisagree):
             return  # already every rank's error
         where_tag = f"[{position[0]}:{position[1]}]"
+        self._own_failures.add(where_tag)
         message = f"{FAILED}{where} raised {type(exc).__name__}: {exc} ({self.describe()}) {where_tag}"
         self.broken = f"rank {self.rank} {message.removeprefix(FAILED)}"
         if self.board is None:
@@ -217,9 +262,13 @@ class RankWatch:
     def _fail_together(self, what: str, heard: list[Notice] | None = None) -> None:
         """Post ``what``, give the others ``ANSWER_S`` to post theirs (besides
         the notices ``heard`` already), raise naming the silent ranks."""
+        raise RankFailed(self._give_up(what, heard))
+
+    def _give_up(self, what: str, heard: list[Notice] | None = None) -> str:
+        """``_fail_together`` up to the raise: the engine is broken, with the returned message."""
         if self.board is None:
             self.broken = what
-            raise RankFailed(what)
+            return what
         self.board.post(f"{WAITING}{what} ({self.describe()})")
         deadline = time.monotonic() + ANSWER_S
         by_rank: dict[int, list[str]] = {}
@@ -240,30 +289,75 @@ class RankWatch:
             parts.append(f"rank(s) {silent} posted nothing within {ANSWER_S:.0f} s: lost (the process died or "
                          "its host is unreachable) or busy outside this engine")
         self.broken = "; ".join(parts)
-        raise RankFailed(self.broken)
+        return self.broken
+
+    # -- the watcher thread's side (accelerator backends) ------------------------------------
+    def watch_notices(self, notices: list[Notice]) -> bool:
+        """What the watcher read on the board (see the Note). A peer that
+        posted it waits, or stopped, breaks the engine at once; a peer's
+        failure does after ``ANSWER_S``, unless this rank failed at the same
+        point (then every rank did, and they are still in step). Returns
+        True once the engine is broken."""
+        now = time.monotonic()
+        for n in notices:
+            if n.message.startswith(WAITING):
+                self._break_off(_quoted(n))
+                return True
+            if n.message.startswith(FAILED):
+                self._peer_failures.setdefault(n.message.rsplit(" ", 1)[-1], (now, n))
+        for tag, (seen, notice) in list(self._peer_failures.items()):
+            if tag in self._own_failures:
+                del self._peer_failures[tag]
+            elif now - seen > ANSWER_S:
+                self._break_off(_quoted(notice))
+                return True
+        return False
+
+    def watch_stall(self, seconds: float, what: str) -> bool:
+        """A collective followed by the watcher has not finished in ``collective_timeout_s``."""
+        self._give_up(f"rank {self.rank}: {what} has not finished after {seconds:.0f} s (collective_timeout_s)")
+        process_group.abort(self.group)
+        return True
+
+    def _break_off(self, reason: str) -> None:
+        """Another rank stopped: this one stops too, and aborts the process
+        group so that nothing waits on a collective that cannot finish."""
+        self.broken = f"{reason}; every rank stops this step"
+        if self.board is not None:
+            self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
+        process_group.abort(self.group)
+
+
+def _warn_unwatched() -> None:
+    """Without a shared store no rank can tell the others it failed. (The
+    warnings module shows it once a process: same text, same place.)"""
+    warnings.warn(
+        "z3kit: no rendezvous store is shared by the ranks (torch.distributed's default store), so a rank "
+        "that fails or dies cannot tell the others: they will wait until the process group's own timeout. "
+        "Start the job with torch.distributed.init_process_group (torchrun) to get rank failure detection",
+        RuntimeWarning, stacklevel=3)
+
+
+def _start_watcher(watch: RankWatch, board: SideBand, timeout_s: float) -> PeerWatcher:
+    """A watcher thread for ``watch`` that ends when the engine is dropped
+    (it holds the watch weakly, so an engine left behind is not kept alive
+    by its own thread)."""
+    notices_of, stall_of = weakref.WeakMethod(watch.watch_notices), weakref.WeakMethod(watch.watch_stall)
+
+    def on_notices(notices: list[Notice]) -> bool:
+        method = notices_of()
+        return True if method is None else method(notices)
+
+    def on_stall(seconds: float, what: str) -> bool:
+        method = stall_of()
+        return True if method is None else method(seconds, what)
+
+    watcher = PeerWatcher(board.reader(), timeout_s=timeout_s, on_notices=on_notices, on_stall=on_stall)
+    watcher.start()
+    return watcher
 
 
 def _quoted(notice: Notice) -> str:
     """A notice as part of a message: its rank, then what it said (which may name the rank already)."""
     said = notice.message.split(": ", 1)[1]
     return said if said.startswith(f"rank {notice.rank} ") else f"rank {notice.rank} {said}"
-
-
-class FetchAgreement:
-    """``RankAgreement`` for one engine: collective checks on a group of
-    their own, and trace departures on the notice board."""
-
-    def __init__(self, group: ProcessGroup, device: torch.device, watch: RankWatch, micro_step: Callable[[], int]) -> None:
-        self.group, self.device, self.watch, self.micro_step = group, device, watch, micro_step
-        self.world = dist.get_world_size(group)
-        #: wall time spent agreeing, in all
-        self.seconds = 0.0
-
-    def agree(self, index: int, fetch: tuple[str, int] | None) -> None:
-        if self.world > 1:
-            started = time.perf_counter()
-            agree_on_fetch(self.group, self.device, self.watch.wait, micro_step=self.micro_step(), index=index, fetch=fetch)
-            self.seconds += time.perf_counter() - started
-
-    def left_trace(self, index: int, what: str) -> None:
-        self.watch.left_trace((self.micro_step(), index), what)
