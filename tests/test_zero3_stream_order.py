@@ -36,6 +36,9 @@ CASES = {
     "default_persistence": Case("gpt_hf", {}, optimizer="adamw", steps=3),
 }
 
+#: cases with several gathers and buckets a step, so that compute runs while one is in flight
+OVERLAPPING = ("transformer_tied_hf", "reduce_scatter_small_buckets", "default_persistence")
+
 
 def _recorded(ctx: Any, case: Case) -> PairResult:
     checker = StreamOrderChecker()
@@ -67,7 +70,11 @@ def test_parity_under_recorded_stream_order(pools: Any, name: str, world: int) -
         issued, completed, checked, inflight = r.extra["stream"]
         assert issued > 0, "the recording pair was not in the loop"
         # with overlap, compute runs while communication is in flight, and every such op was checked
-        assert (checked > 0) is (name != "no_overlap")
+        # (the small models' one gather and one bucket a step have nothing to overlap with)
+        if name == "no_overlap":
+            assert checked == 0
+        elif name in OVERLAPPING:
+            assert checked > 0
         # only the persistent parameters' refresh after the last step may still be in flight
         assert issued - completed == len(inflight)
         assert all(label.startswith("all_gather") for label in inflight)

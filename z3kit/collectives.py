@@ -50,10 +50,15 @@ class CollectiveLog:
 
     calls: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
     bytes: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
+    #: every call in issue order, (kind, bytes), once set to a list: a communicator pairs
+    #: collectives by issue order, so ranks whose lists differ would mispair (tests compare them)
+    order: list[tuple[CollectiveKind, int]] | None = None
 
     def record(self, kind: CollectiveKind, nbytes: int) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
+        if self.order is not None:
+            self.order.append((kind, nbytes))
 
     def total_calls(self) -> int:
         return sum(self.calls.values())

@@ -10,13 +10,18 @@ device (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``if t:``,
   synchronizing call; the warnings are counted, not shown;
 - on CPU, where nothing is asynchronous, by standing in for that mode: a
   ``TorchFunctionMode`` counts the tensor calls that would synchronize on
-  an accelerator (``SYNCING_CALLS``).
+  an accelerator (``SYNCING_CALLS``), except those made by ``torch.optim``
+  itself: its optimizers keep their step counters on the host on an
+  accelerator too (unless ``capturable``/``fused``), so reading them
+  waits for nothing.
 
 Only the thread that entered the block is watched.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +51,27 @@ def _name(func: Callable[..., Any]) -> str:
     return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
 
 
+_OPTIM_DIR = os.path.dirname(torch.optim.__file__) + os.sep
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _caller() -> str:
+    """Where the syncing call was made: ``file:line`` of the first frame
+    outside torch's own wrappers and other torch-function modes (torch.optim
+    counts as a caller)."""
+    frame = sys._getframe(2)  # past this and __torch_function__
+
+    def passing_through(code: Any) -> bool:
+        inside_torch = code.co_filename.startswith(_TORCH_DIR) and not code.co_filename.startswith(_OPTIM_DIR)
+        return inside_torch or code.co_name == "__torch_function__"
+
+    while frame.f_back is not None and passing_through(frame.f_code):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 class _CountingMode(TorchFunctionMode):
     def __init__(self, on_sync: Callable[[str], None]) -> None:
         super().__init__()
@@ -55,13 +81,16 @@ class _CountingMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         if func in SYNCING_CALLS:
-            self.on_sync(_name(func))
+            where = _caller()
+            if not where.startswith(_OPTIM_DIR):  # see the module docstring
+                self.on_sync(f"{_name(func)} at {where}")
         return func(*args, **(kwargs or {}))
 
 
 class HostSyncCounter:
     """``with HostSyncCounter(device) as syncs: ...`` then ``syncs.count``
-    (and ``syncs.calls``, what synchronized, in order)."""
+    (and ``syncs.calls``, what synchronized, in order: on CPU with the
+    ``file:line`` that called it)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -119,7 +119,7 @@ class BackwardPass:
     def before_step(self) -> None:
         """The optimizer step is next: what got a gradient in the window is settled (``zero3.step_checks``)."""
         if self.checks is not None:
-            self.checks.before_step(self.trainable)
+            self.checks.before_step()
 
     def abort(self, *, ranks_in_step: bool) -> None:
         """The backward raised (``ranks_in_step``: on every rank at the same

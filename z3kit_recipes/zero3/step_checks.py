@@ -17,10 +17,13 @@ Note: no host sync in a step.
       got a gradient on some rank. A rank that had every gradient itself
       knows the answer without reading (all of them), and reads nothing.
     A check is read at once, at the end of its own backward, while nothing
-    has been read yet (the first backward), and once any rank has held a
-    late gradient: late gradients are reduced right after the check that
-    names them. A late gradient that first appears in a check read only
-    after the optimizer step it belonged to raises ``RanksDisagree``.
+    has been read yet (the first backward), in the first backward that
+    issues reductions early for newly reliable parameters (see the next
+    Note: a gradient that arrives twice becomes late only there), and once
+    any rank has held a late gradient: late gradients are reduced right
+    after the check that names them. A late gradient that first appears in
+    a check read only after the optimizer step it belonged to raises
+    ``RanksDisagree``.
 
 Note: reductions issued in the same order on every rank.
     Gathers and reductions share one communicator, and NCCL pairs a
@@ -65,7 +68,8 @@ class StepChecks:
     ) -> None:
         self.reducer, self.watch, self.device, self.names = reducer, watch, device, names
         self.global_step, self.defer_all = global_step, defer_all
-        self._in_flight: list[StepCheck] = []
+        #: checks in flight, each with the trainable parameters its flags are for
+        self._in_flight: list[tuple[StepCheck, tuple[int, ...]]] = []
         #: a late gradient was held by some rank in some backward read so far
         self.late_seen = False
         #: whether nothing has been read yet
@@ -73,6 +77,11 @@ class StepChecks:
         #: this rank's flags of the last check in flight, for ``before_step``
         self._last_flags: list[int] = []
         self._marked: set[int] = set()  # ids of checks whose arrivals were marked used at step()
+        #: parameters some check has reported on
+        self._known: set[int] = set()
+        #: the next backward is the first to issue reductions early for newly reliable parameters:
+        #: a second gradient may first show up there, so its check is read at once
+        self._trial = False
         if watch.world == 1:
             reducer.reliable = None  # one rank: nothing to keep in order
 
@@ -86,21 +95,22 @@ class StepChecks:
         check = start_step_check(self.watch.group, self.device, global_step=self.global_step(),
                                  micro_step=micro_step, record=record, flags=flags)
         check.stage(self.watch.wait)
-        due, self._in_flight = self._in_flight, [check]
+        due, self._in_flight = self._in_flight, [(check, tuple(trainable))]
         self._last_flags = flags
-        read = [(c, c.result(self.watch.wait)) for c in due]
-        if not self._learned or self.late_seen or any(any(o.any_rank(LATE)) for _, o in read):
-            read.append((check, check.result(self.watch.wait)))
+        read = [(c, pids, c.result(self.watch.wait)) for c, pids in due]
+        if not self._learned or self._trial or self.late_seen or any(any(o.any_rank(LATE)) for _, _, o in read):
+            read.append((check, tuple(trainable), check.result(self.watch.wait)))
             self._in_flight = []
-        self._apply(trainable, read)
+            self._trial = False
+        self._apply(read)
 
-    def before_step(self, trainable: Sequence[int]) -> None:
+    def before_step(self) -> None:
         """Mark what got a gradient in the window's last backward, reading
         its check only where this rank cannot tell (see the Note)."""
-        for check in self._in_flight:
+        for check, pids in self._in_flight:
             mine = self._last_flags
             if all(f & ARRIVED for f in mine) and not any(f & LATE for f in mine) and not self.late_seen:
-                self.reducer.mark_used(trainable)
+                self.reducer.mark_used(pids)
                 self._marked.add(id(check))
                 continue
             outcome = check.peek(self.watch.wait)  # only this rank reads here: no collective on this path
@@ -110,7 +120,7 @@ class StepChecks:
                            "see the error on the other ranks")
                 self.watch.broken = message
                 raise RanksDisagree(message)
-            self.reducer.mark_used(p for p, used in zip(trainable, outcome.any_rank(ARRIVED)) if used)
+            self.reducer.mark_used(p for p, used in zip(pids, outcome.any_rank(ARRIVED)) if used)
             self._marked.add(id(check))
 
     def _flags(self, trainable: Sequence[int]) -> list[int]:
@@ -127,10 +137,10 @@ class StepChecks:
         if late:
             self.reducer.reduce_late(late)
 
-    def _apply(self, trainable: Sequence[int], read: list[tuple[StepCheck, CheckOutcome]]) -> None:
+    def _apply(self, read: list[tuple[StepCheck, tuple[int, ...], CheckOutcome]]) -> None:
         """What checks read at the end of a backward mean (the same on every rank)."""
         late: set[int] = set()
-        for check, outcome in read:
+        for check, trainable, outcome in read:
             stepped = check.global_step != self.global_step()
             late_here = {p for p, held in zip(trainable, outcome.any_rank(LATE)) if held}
             if stepped and late_here:
@@ -148,25 +158,30 @@ class StepChecks:
             self.reducer.reduce_late(sorted(late))
 
     def _learn_order(self, trainable: Sequence[int], outcome: CheckOutcome) -> None:
-        """Update which parameters are reliable (see the Note on order)."""
-        world = len(outcome.flags)
-        everywhere = {p for i, p in enumerate(trainable) if len(outcome.ranks_with(i, HANDED)) == world}
+        """Update which parameters are reliable (see the Note on order): one
+        seen for the first time is reliable if every rank handed it over;
+        a reliable one stays so while every rank does."""
+        self._learned = True
         reliable = self.reducer.reliable
         if reliable is None:
             return
-        if not self._learned:
-            self._learned = True
-            reliable.update(set() if self.defer_all else everywhere)
-            return
+        world, changed = len(outcome.flags), False
         for i, p in enumerate(trainable):
-            if p not in reliable or p in everywhere:
-                continue
-            reliable.discard(p)
-            some = outcome.ranks_with(i, HANDED)
-            if some:
-                raise RanksDisagree(
-                    f"parameter {self.names[p]!r} got its gradient during backward on rank(s) {some} only, after "
-                    "every earlier backward gave it one on every rank: the ranks may have issued their gradient "
-                    "reductions in different orders, so this step's gradients cannot be trusted; restart from the "
-                    "last checkpoint. A parameter whose use depends on the rank or the data belongs in a leaf "
-                    "module (leaf_modules), or set Zero3Config(divergent_graphs=True)")
+            handed = outcome.ranks_with(i, HANDED)
+            if p not in self._known:
+                self._known.add(p)
+                if len(handed) == world and not self.defer_all:
+                    reliable.add(p)
+                    changed = self._trial = True
+            elif p in reliable and len(handed) < world:
+                reliable.discard(p)
+                self.reducer.reliability_changed()
+                if handed:
+                    raise RanksDisagree(
+                        f"parameter {self.names[p]!r} got its gradient during backward on rank(s) {handed} only, "
+                        "after every earlier backward gave it one on every rank: the ranks may have issued their "
+                        "gradient reductions in different orders, so this step's gradients cannot be trusted; "
+                        "restart from the last checkpoint. A parameter whose use depends on the rank or the data "
+                        "belongs in a leaf module (leaf_modules), or set Zero3Config(divergent_graphs=True)")
+        if changed:
+            self.reducer.reliability_changed()
