@@ -31,7 +31,7 @@ DEVICE_LAG_S = 0.5
 _TORCH = str(Path(torch.__file__).parent)
 
 
-def _where(depth: int = 2) -> str:
+def _where(depth: int = 3) -> str:
     """The first ``depth`` frames of the caller outside torch and this file: where a rule was broken."""
     frame, out = sys._getframe(1), []
     while frame is not None and len(out) < depth:
