@@ -111,3 +111,17 @@ def test_resolve_device_bad_inputs(
         monkeypatch.setenv("LOCAL_RANK", env)
     with pytest.raises(exc, match=match):
         resolve_device(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_backend_registered_for_one_device_type_communicates_that_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Third-party backends (a CPU test double of an accelerator backend, say)
+    register their device types with torch; one type is unambiguous."""
+    import torch.distributed as dist
+
+    monkeypatch.setitem(dist.Backend.backend_capability, "fake-accel", ["cpu"])
+    monkeypatch.setitem(dist.Backend.backend_capability, "two-devices", ["cpu", "cuda"])
+    assert zdevice.device_type_for_backend("fake-accel") == "cpu"
+    assert zdevice.device_type_for_backend("nccl") == "cuda"
+    for unknown in ("two-devices", "never-registered"):
+        with pytest.raises(ValueError, match="is not supported"):
+            zdevice.device_type_for_backend(unknown)

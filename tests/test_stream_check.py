@@ -111,3 +111,18 @@ def test_gathers_and_bucket_flushes_are_caught_when_used_before_their_wait(pools
         assert out["bucket_early"].startswith("StreamOrderError: compute ran aten.sum")
     parts = [out["parts"] for out in pools.run(2, _catches_early_use_worker)]
     assert parts == ["[[3.0, 3.0, 3.0]]", "[[3.0, 3.0, 3.0]]"]
+
+
+def test_open_tickets_are_those_inside_communicate() -> None:
+    """A process-group double checks a collective issued inside ``communicate``
+    against the ticket open there (``tests.accelerator_double``)."""
+    checker = StreamOrderChecker()
+    pair = RecordingStreamPair(checker)
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert checker.open_tickets == []
+    with pair.communicate(reads=[a], writes=[b], label="outer") as ticket:
+        assert checker.open_tickets == [ticket]
+    assert checker.open_tickets == []
+    with pytest.raises(ValueError), pair.communicate(reads=[a], writes=[b]):
+        raise ValueError("left by an exception")
+    assert checker.open_tickets == []

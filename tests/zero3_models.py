@@ -627,7 +627,12 @@ class DDPReference:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
 
-def build_pair(ctx: Any, case: Case, **init_kwargs: Any) -> tuple[Any, DDPReference, nn.Module]:
+def build_pair(
+    ctx: Any, case: Case, *, process_group: Any = None, **init_kwargs: Any
+) -> tuple[Any, DDPReference, nn.Module]:
+    """The engine (on ``process_group``, default ``ctx.group``) and its DDP
+    reference (on ``ctx.group``, a gloo group: the reference stays the same
+    whatever backend the engine is tested on)."""
     from z3kit_recipes import zero3
 
     torch.manual_seed(1000 + case.seed)
@@ -637,7 +642,7 @@ def build_pair(ctx: Any, case: Case, **init_kwargs: Any) -> tuple[Any, DDPRefere
         model,
         lambda params: make_optimizer(case.optimizer, params, case.lr),
         zero3.Zero3Config(**case.config),
-        ctx.group,
+        ctx.group if process_group is None else process_group,
         leaf_modules=[LEAF_CLASSES[name] for name in case.leaf],
         **init_kwargs,
     )

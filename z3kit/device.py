@@ -43,10 +43,17 @@ class DeviceInfo:
 
 
 def device_type_for_backend(backend: str) -> str:
-    """The device type a process-group backend communicates (the inverse of ``BACKEND_FOR_DEVICE_TYPE``)."""
+    """The device type a process-group backend communicates (the inverse of
+    ``BACKEND_FOR_DEVICE_TYPE``). A third-party backend registered with
+    ``torch.distributed.Backend.register_backend(name, ..., devices=[one])``
+    communicates that one device type (a test double of an accelerator
+    backend, say, that runs on CPU)."""
     for device_type, known in BACKEND_FOR_DEVICE_TYPE.items():
         if known == backend:
             return device_type
+    registered = getattr(getattr(torch.distributed, "Backend", None), "backend_capability", {}).get(backend)
+    if registered is not None and len(registered) == 1:
+        return str(registered[0])
     raise ValueError(
         f"process-group backend {backend!r} is not supported; use one of {sorted(BACKEND_FOR_DEVICE_TYPE.values())}"
     )

@@ -74,6 +74,9 @@ class StreamOrderChecker:
         self.issued = self.completed = 0
         #: compute operations checked while watching
         self.checked_ops = 0
+        #: tickets whose ``communicate`` block is running, innermost last: what a
+        #: collective issued now may touch (a process-group test double checks it)
+        self.open_tickets: list[CommTicket] = []
 
     def issue(self, ticket: CommTicket) -> int:
         reads = [s for s in map(_span, ticket.reads) if s is not None]
@@ -219,7 +222,11 @@ class RecordingStreamPair:
             time.sleep(self._random.uniform(0.0, self._delay_s))
         ticket = CommTicket(label, tuple(reads), tuple(writes))
         with self.checker.comm_side():
-            yield ticket
+            self.checker.open_tickets.append(ticket)
+            try:
+                yield ticket
+            finally:
+                self.checker.open_tickets.remove(ticket)
         self._numbers[id(ticket)] = self.checker.issue(ticket)
 
     def complete(self, ticket: CommTicket, finish: Callable[[], object]) -> None:
