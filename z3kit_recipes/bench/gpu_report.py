@@ -70,8 +70,8 @@ def _parity(section: JSON) -> list[str]:
 
 
 def _host_syncs(section: JSON) -> list[str]:
-    lines = [f"   {section['method']}; {section['warmup_steps']} warm-up steps, then {section['counted_steps']} "
-             f"counted; expected {section['expected']}"]
+    lines = [f"   {section['method']}; warm-up steps {section['warmup_steps']}, counted steps "
+             f"{section['counted_steps']}; expected {section['expected']}"]
     for name, c in section["cases"].items():
         if c["status"] != "ok":
             lines.append(f"   {name:<12} ERROR {c['error']}")
@@ -107,7 +107,7 @@ def _memory(section: JSON) -> list[str]:
 
 def _timing(section: JSON) -> list[str]:
     lines = [f"   {section['note']}"] if section["note"] else []
-    lines.append(f"   median s/step over {section['timed_steps']} steps after {section['warmup_steps']} warm-up")
+    lines.append(f"   median s/step of {section['timed_steps']} timed steps (warm-up steps {section['warmup_steps']})")
     for name, c in section["cases"].items():
         parts = []
         for runtime in section["runtimes"]:
