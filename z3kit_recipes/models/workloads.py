@@ -12,7 +12,7 @@ model is built); :func:`make_workload` names them. Model weights are seeded
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -170,13 +170,17 @@ LLAMA_CONFIG: Final[dict[str, Any]] = {
 
 @attrs.frozen
 class LlamaWorkload:
-    """Hugging Face ``LlamaForCausalLM`` (:data:`LLAMA_CONFIG`) on random
-    token sequences, next-token cross-entropy on ``model(input_ids).logits``.
+    """Hugging Face ``LlamaForCausalLM`` (:data:`LLAMA_CONFIG`, or ``config``)
+    on random token sequences, next-token cross-entropy on
+    ``model(input_ids).logits``.
 
     Built from its config (nothing is downloaded); ``transformers`` is
     imported by :meth:`build_model` only.
     """
 
+    #: ``transformers.LlamaConfig`` arguments; a smaller shape serves quick checks
+    #: (``bench.gpu --dry-run``). Left out of the hash: a dict has none.
+    config: Mapping[str, Any] = attrs.field(factory=lambda: dict(LLAMA_CONFIG), hash=False)
     batch_size: int = attrs.field(default=4, validator=int_validator(at_least=1))
     seq_len: int = attrs.field(default=64, validator=int_validator(at_least=1))
     seed: int = attrs.field(default=0, validator=int_validator(at_least=0))
@@ -187,13 +191,13 @@ class LlamaWorkload:
 
     @property
     def vocab_size(self) -> int:
-        vocab: int = LLAMA_CONFIG["vocab_size"]
+        vocab: int = self.config["vocab_size"]
         return vocab
 
     def build_model(self) -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(**LLAMA_CONFIG)
+        config = LlamaConfig(**self.config)
         return _build_seeded(self.seed, LlamaForCausalLM, config)
 
     def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

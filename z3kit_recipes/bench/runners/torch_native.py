@@ -85,7 +85,8 @@ class FSDP2Runner(_TorchOptimizerStep):
 
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
-        mesh = DeviceMesh.from_group(group, "cpu")
+        # the mesh lives where the model does: CPU under gloo, the rank's GPU under nccl (bench.gpu)
+        mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in wl.blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
