@@ -27,6 +27,11 @@ from typing import Any
 
 import torch
 
+#: ``Tensor.tolist`` as torch defines it, kept at import: a sync counter that wraps the
+#: method (``tests/sync_sites.py``) must not count reads of values already on the host,
+#: whose only possible wait, on the copy's event, this class counts itself (``blocked``)
+_HOST_TOLIST = torch.Tensor.tolist
+
 
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor on ``device``, without a host sync."""
@@ -61,9 +66,8 @@ class HostCopy:
         return self._host
 
     def tolist(self) -> list[Any]:
+        """The values as a (nested) list; a wait, if any, was the event's."""
         host = self.host()
-        # on the host already (CPU, or the copy above has landed): reading it
-        # waits for no device; keep it out of ``z3kit.host_sync``'s stand-in count
-        with torch._C.DisableTorchFunction():
-            out: list[Any] = host.tolist()
+        with torch._C.DisableTorchFunction():  # nor through a torch-function mode (``z3kit.host_sync``)
+            out: list[Any] = _HOST_TOLIST(host)
         return out

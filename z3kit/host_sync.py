@@ -13,7 +13,13 @@ device (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``if t:``,
   an accelerator (``SYNCING_CALLS``), except those made by ``torch.optim``
   itself: its optimizers keep their step counters on the host on an
   accelerator too (unless ``capturable``/``fused``), so reading them
-  waits for nothing.
+  waits for nothing. The autograd engine runs tensor hooks and
+  end-of-backward callbacks without the torch-function modes of the thread
+  that called backward, so on CPU what those do is not seen; the tests'
+  accelerator double (``tests/sync_sites.py``) sees it.
+
+A wait on an event (``z3kit.host_copy.HostCopy``) is counted by neither
+mode; ``HostCopy.blocked`` tells whether one had to wait.
 
 Only the thread that entered the block is watched.
 """

@@ -157,11 +157,13 @@ class StepCheck:
             if self._copy is None:
                 waiter(self.pending.is_completed, self.pending.wait)
                 self._copy = HostCopy(self.everyone)
-            host = self._copy.host()
-            with torch._C.DisableTorchFunction():  # host memory: nothing waits for a device here
-                rows = host.view(dist.get_world_size(self.group), -1)
-                headers = rows[:, :HEADER_WORDS].tolist()
-                flags = rows[:, HEADER_WORDS:].contiguous().view(torch.uint8)[:, : self.n_params].tolist()
+            world = dist.get_world_size(self.group)
+            words = self._copy.tolist()
+            per_rank = len(words) // world
+            rows = [words[r * per_rank : (r + 1) * per_rank] for r in range(world)]
+            headers = [row[:HEADER_WORDS] for row in rows]
+            flags = [list(b"".join(w.to_bytes(8, "little", signed=True) for w in row[HEADER_WORDS:]))[: self.n_params]
+                     for row in rows]
             self._outcome = CheckOutcome(headers, flags)
         return self._outcome
 
@@ -226,12 +228,12 @@ def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[Fe
         return
     for check in checks:
         waiter(check.pending.is_completed, check.pending.wait)
-    copy = HostCopy(torch.cat([c.everyone for c in checks]))
     world = dist.get_world_size(group)
-    host = copy.host()
-    with torch._C.DisableTorchFunction():  # host memory
-        tables = host.view(len(checks), world, -1).tolist()
-    for check, rows in zip(checks, tables):
+    words = HostCopy(torch.cat([c.everyone for c in checks])).tolist()
+    per_check = len(words) // len(checks)
+    for n, check in enumerate(checks):
+        table = words[n * per_check : (n + 1) * per_check]
+        rows = [table[r * (per_check // world) : (r + 1) * (per_check // world)] for r in range(world)]
         if any(row != rows[0] for row in rows):
             _explain_fetch(group, check)
 
