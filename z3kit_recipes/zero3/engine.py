@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit.hooks import map_tensors
 from z3kit_recipes.zero3 import weights
 from z3kit_recipes.zero3.build import EngineParts
 from z3kit_recipes.zero3.join import Join
 from z3kit_recipes.zero3.phase import Phase
 from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
+from z3kit_recipes.zero3.root_hooks import RootForward
 from z3kit_recipes.zero3.stats import Zero3Stats, collect_stats
 from z3kit_recipes.zero3.timeline import TimelineEvent
 
@@ -52,9 +52,8 @@ class Zero3Engine:
         self.trace, self.training_state, self.watch = parts.trace, parts.training_state, parts.watch
         #: the knobs ``config.memory_budget`` was turned into, when it is set
         self.memory_plan = parts.memory_plan
-        self._join: Join | None = None
-        #: this rank's last forward of each kind (training or not): its arguments
-        self._last_forwards: dict[bool, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.root_hooks``)
+        self.forwards = RootForward(parts, self._abort)
 
     @property
     def global_step(self) -> int:
@@ -78,37 +77,9 @@ class Zero3Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.watch.check("forward")
-        self.parts.model_watch.check_parameters()
-        # A traced training step is a grad-enabled forward in train mode. An
-        # eval() forward with grad on is usually not followed by a backward,
-        # so it must not keep parameters gathered for one.
-        training = torch.is_grad_enabled() and self.module.training
-        if self._join is not None:  # before any collective of the forward (see zero3.join)
-            self._join.before_forward(training)
-        self._last_forwards[training] = (args, kwargs)  # what a rank repeats in engine.join()
-        dtype = self.config.torch_dtype
-        if dtype != torch.float32:
-            args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
-        try:
-            if training:
-                self.parts.trainable_watch.follow()
-                self.parts.stats.training_forward()
-                self.coordinator.begin_step()
-                # in FORWARD before the first collective (the buffers'), so that the
-                # notice board places this rank in its training forward while it waits
-                self.training_state.phase = Phase.FORWARD
-                if self.config.broadcast_buffers and self.world > 1:
-                    self.parts.model_watch.broadcast_buffers(self.group, self.log, self.watch.wait)
-            with self.parts.forward_context, contextlib.nullcontext() if training else self.coordinator.untraced():
-                out = self.module(*args, **kwargs)
-        except BaseException as exc:
-            self._abort("forward", exc)
-            raise
-        if not training:
-            self.coordinator.finish_rounds()
-            self.coordinator.release_all()
-        return out
+        """The model's forward: ``engine(x)`` is ``model(x)``, whose root hooks
+        do the engine's part (see ``zero3.root_hooks``)."""
+        return self.forwards.call(args, kwargs)
 
     def _abort(self, what: str, exc: BaseException) -> None:
         """A forward or backward raised: forget what was in progress, free what was gathered."""
@@ -130,6 +101,7 @@ class Zero3Engine:
             raise TypeError(f"backward needs the loss tensor, got {type(loss).__name__}")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        self.forwards.settle()  # before the check: aborting a lost forward may leave the ranks apart
         self.watch.check("backward")
         before = self.training_state.micro_step
         try:
@@ -149,6 +121,7 @@ class Zero3Engine:
         """Optimizer step at a gradient-accumulation boundary (returns True),
         otherwise nothing (False). Grads are cleared after the step."""
         self.require_optimizer("step()")
+        self.forwards.settle()
         self.watch.check("step()")
         if not self.training_state.backward_since_step_call:
             raise RuntimeError(
@@ -183,15 +156,15 @@ class Zero3Engine:
         ones), in the manner of ``torch.distributed.algorithms.Join``: wrap
         each rank's loop; a rank whose loop ends repeats its last forward of
         the kind the others run until every loop has ended (see ``zero3.join``)."""
-        if self._join is not None:
+        if self.forwards.join is not None:
             raise RuntimeError("engine.join() blocks do not nest")
-        self._join = Join(self, self._last_forwards)
+        join = self.forwards.join = Join(self, self.forwards.last)
         try:
             with self.parts.meeting.lockstep():  # the rounds keep the ranks' forwards together
                 yield
-                self._join.shadow()
+                join.shadow()
         finally:
-            self._join = None
+            self.forwards.join = None
 
     # -- full parameters on demand ----------------------------------------------------------
     @contextlib.contextmanager
@@ -223,6 +196,7 @@ class Zero3Engine:
 
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` inside a forward or backward."""
+        self.forwards.settle()
         if self.parts.hooks.active or self.training_state.phase is Phase.BACKWARD:
             raise RuntimeError(f"{what} cannot be used inside a forward or backward")
 

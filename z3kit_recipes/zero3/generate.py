@@ -47,7 +47,8 @@ def generate(engine: Zero3Engine, args: tuple[Any, ...], kwargs: dict[str, Any],
         if dist.get_process_group_ranks(engine.group) == list(range(dist.get_world_size())):
             kwargs.setdefault("synced_gpus", True)  # transformers' own lockstep, over the default group
     devices = [engine.device] if engine.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), engine.parts.meeting.lockstep():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), engine.parts.meeting.lockstep(), \
+            engine.forwards.engine_forwards():
         torch.manual_seed(seed)
         try:
             out = run(*args, **kwargs)

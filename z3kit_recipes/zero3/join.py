@@ -2,10 +2,12 @@
 of ``torch.distributed.algorithms.Join``.
 
 Note: rounds and shadows.
-    Inside ``with engine.join():`` every forward through the engine starts
-    with a round: one small all-gather in which each rank says whether it
-    is still running its own batches and, if so, whether this forward is a
-    training one (grad enabled, train mode) or an eval one. A rank whose
+    Inside ``with engine.join():`` every forward of the model
+    (``engine(x)`` or ``model(x)``: the root's pre-forward hook runs the
+    round, see ``zero3.root_hooks``) starts with a round: one small
+    all-gather in which each rank says whether it is still running its own
+    batches and, if so, whether this forward is a training one (grad
+    enabled, train mode) or an eval one. A rank whose
     loop has ended reaches the end of the block and shadows the others: it
     joins each round as finished and, while any rank is still running,
     repeats its own last forward of the kind the others run (its own last
@@ -21,9 +23,7 @@ Note: rounds and shadows.
     Gradients are averaged over every rank, the finished ones contributing
     zeros, as DDP's ``Join`` does by default (``divide_by_initial_world_size``).
 
-    What has to hold: forwards inside the block go through the engine
-    (``engine(x)``; a call of the model itself has no round), the repeated
-    forward gathers what the others' does
+    What has to hold: the repeated forward gathers what the others' does
     (the same modules, in the same order: true of a model without
     data-dependent control flow), one forward per backward, and the ranks
     still running agree on the kind of each forward. A finished rank that
