@@ -142,3 +142,25 @@ def test_collective_timeout_stays_under_the_groups(pools: Any) -> None:
     for out in pools.run(2, run_timeouts):
         assert out["default"] == pytest.approx(90.0)
         assert "must be shorter than the process group's timeout (100 s)" in out["too_long"]
+
+
+def run_without_store(ctx: Any) -> list[str]:
+    import warnings
+
+    from z3kit import process_group
+    from z3kit_recipes import zero3
+
+    shared_store = process_group.shared_store
+    process_group.shared_store = lambda: None  # a group made without init_process_group's store
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zero3.initialize(nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1), None, fresh_group(ctx))
+    finally:
+        process_group.shared_store = shared_store
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_no_shared_store_is_said_loudly(pools: Any) -> None:
+    for said in pools.run(2, run_without_store):
+        assert any("cannot tell the others" in m and "init_process_group" in m for m in said), said

@@ -186,3 +186,40 @@ def test_a_rank_that_raises_stops_the_others_within_seconds(pools: Any, world: i
         if rank != 1:
             assert r["caught"].startswith("RankFailed") and "rank 1 forward raised ValueError" in r["caught"], r
             assert r["seconds"] < 5, r
+
+
+def run_rank_stuck_outside(ctx: Any) -> dict[str, Any]:
+    """One healthy step, then rank 1 is busy outside the engine for longer
+    than ``collective_timeout_s``: rank 0's gathers never finish. Its plain
+    waits return at once (NCCL), so it is the watcher thread that must find
+    the stalled collective, name the rank and abort the group."""
+    from z3kit_recipes import zero3
+
+    group = _group(ctx)
+    out: dict[str, Any] = {"caught": "", "seconds": 0.0}
+    with DOUBLE.observing():
+        torch.manual_seed(1)
+        b = vec_batch(ctx.rank, 0, 0, 0)
+        config = zero3.Zero3Config(param_persistence_threshold=0, collective_timeout_s=2.0)
+        engine = zero3.initialize(MLP(), torch.optim.Adam, config, group)
+        engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+        engine.step()
+        if ctx.rank == 1:
+            time.sleep(8.0)
+        start = time.monotonic()
+        try:
+            engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+            engine.step()
+        except Exception as e:  # noqa: BLE001
+            out["caught"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+        out["violations"] = list(DOUBLE.violations)
+    return out
+
+
+def test_a_stalled_collective_is_named_by_the_watcher(pools: Any) -> None:
+    waiting, stuck = pools.run(2, run_rank_stuck_outside, timeout=90)
+    assert waiting["caught"].startswith("RankFailed") and "has not finished after" in waiting["caught"], waiting
+    assert waiting["seconds"] < 10, waiting  # 2 s of timeout, then up to 3 s for the others' answers
+    assert stuck["caught"].startswith("RankFailed"), stuck  # it learns it was left behind at its next call
+    assert not waiting["violations"] and not stuck["violations"]

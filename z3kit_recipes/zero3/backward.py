@@ -116,6 +116,11 @@ class BackwardPass:
         self.training_state.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
+    def settle_checks(self) -> None:
+        """Apply the step checks still in flight (collective; ``StepChecks.settle``)."""
+        if self.checks is not None:
+            self.checks.settle()
+
     def before_step(self) -> None:
         """The optimizer step is next: what got a gradient in the window is settled (``zero3.step_checks``)."""
         if self.checks is not None:

@@ -46,6 +46,7 @@ from z3kit_recipes.zero3.phase import Phase, TrainingState
 from z3kit_recipes.zero3.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks import RankWatch
 from z3kit_recipes.zero3.timeouts import collective_timeout
+from z3kit_recipes.zero3.watcher import start_watcher
 from z3kit_recipes.zero3.rounds import FetchRounds
 from z3kit_recipes.zero3.stats import StepStats
 from z3kit_recipes.zero3.timeline import Timeline
@@ -131,6 +132,7 @@ def assemble(
         describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
         position=lambda: (state.micro_step, _position(state, holder["coordinator"], holder["meeting"])),
     )
+    start_watcher(watch)
 
     # the layout is allocated empty and the optimizer built on it; a factory
     # that fails (on any rank) leaves every model untouched

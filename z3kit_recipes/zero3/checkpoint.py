@@ -83,6 +83,7 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
     """Write the engine's training state under ``path`` (collective; see the module docstring)."""
     engine.check_idle("save_checkpoint")
     engine.watch.check("save_checkpoint")
+    engine.parts.backward.settle_checks()  # the open window's parameters marked used, as a step would
     mesh, layout = _mesh(engine), engine.layout
     state: dict[str, Any] = {}
     params_meta = []

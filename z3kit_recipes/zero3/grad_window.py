@@ -23,7 +23,9 @@ class GradWindow:
     """The window's partitions of the trainable parameters, in slot order."""
 
     def __init__(self, slot: Mapping[int, int], partition_numels: Sequence[int], *, device: torch.device,
-                 memory: MemoryLedger) -> None:
+                 memory: MemoryLedger, number: int = 0) -> None:
+        #: how many windows ended before this one (a step check names the window it belongs to)
+        self.number = number
         #: partition slot of each trainable parameter id
         self.slot = slot
         self._numels = list(partition_numels)
@@ -73,6 +75,7 @@ class GradWindow:
             self.memory.free(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
             self.partitions = None
         self._used = set()
+        self.number += 1
 
     def squared_norm(self) -> torch.Tensor:
         """Sum of squares of this rank's partitions (zero for an empty window)."""

@@ -145,7 +145,7 @@ class GradReducer:
         self.slot = {pid: i for i, pid in enumerate(trainable)}
         #: this accumulation window's partitions (``zero3.grad_window``)
         self.window = GradWindow(self.slot, [shards[p].shard_numel for p in trainable], device=self.device,
-                                 memory=self.memory)
+                                 memory=self.memory, number=self.window.number)
         self._numels = {pid: shards[pid].numel for pid in trainable}
         self._padded = {pid: shards[pid].padded_numel for pid in trainable}
         total = sum(self._padded.values())

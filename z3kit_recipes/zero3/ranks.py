@@ -15,8 +15,8 @@ Note: where the watching happens, per backend.
     ``RankWatch.wait`` blocks in it a slice at a time and reads the board
     between slices (``WatchedWait``). On NCCL and HCCL, completing one only
     makes the stream wait and the host runs ahead: ``wait`` does just that,
-    and a ``z3kit.peer_watch.PeerWatcher`` thread reads the board and
-    follows the collectives in flight. When a peer failed or a collective
+    and a watcher thread (``zero3.watcher``) reads the board and follows
+    the collectives in flight. When a peer failed or a collective
     stalled, it marks the engine broken and aborts the process group, so
     that a host blocked on the device (a ``loss.item()``) gets an error
     instead of waiting forever; the engine's next call raises
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -104,17 +103,18 @@ class RankWatch:
             dist.broadcast_object_list(token, group_src=0, group=group)
             self.board = SideBand(store, f"z3kit/engine/{token[0]}", self.rank, self.world)
         elif self.world > 1:
-            _warn_unwatched()
+            warnings.warn(
+                "z3kit: no rendezvous store is shared by the ranks (torch.distributed's default store), so a rank "
+                "that fails or dies cannot tell the others: they will wait until the process group's own timeout. "
+                "Start the job with torch.distributed.init_process_group (torchrun) to get rank failure detection",
+                RuntimeWarning, stacklevel=3)  # shown once a process: same text, same place
         self._watched = WatchedWait(self.board, self._on_notices, self._on_timeout, timeout_s=timeout_s, poll_s=poll_s)
         #: completing a collective blocks the host (gloo); else it orders streams (see the Note)
         self.waits_on_host = process_group.waits_on_host(group)
-        #: FAILED notices of other ranks the watcher has seen, by position tag: (rank, first seen, notice)
-        self._peer_failures: dict[str, tuple[float, Notice]] = {}
         #: position tags of this rank's own failures (a peer that failed at the same point is in step)
-        self._own_failures: set[str] = set()
+        self.own_failures: set[str] = set()
+        #: the watcher thread, on backends whose waits do not block the host (``zero3.watcher``)
         self.watcher: PeerWatcher | None = None
-        if self.board is not None and not self.waits_on_host:
-            self.watcher = _start_watcher(self, self.board, timeout_s)
 
     # -- the waits ---------------------------------------------------------------------
     def wait(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
@@ -176,7 +176,7 @@ class RankWatch:
         if isinstance(exc, RanksDisagree):
             return  # already every rank's error
         where_tag = f"[{position[0]}:{position[1]}]"
-        self._own_failures.add(where_tag)
+        self.own_failures.add(where_tag)
         message = f"{FAILED}{where} raised {type(exc).__name__}: {exc} ({self.describe()}) {where_tag}"
         self.broken = f"rank {self.rank} {message.removeprefix(FAILED)}"
         if self.board is None:
@@ -209,7 +209,7 @@ class RankWatch:
             for n in self.board.unread():
                 self._remember(n)
                 if n.message.startswith((FAILED, WAITING)):
-                    self.broken = f"rank {self.rank} {departure_place(where)}: {what}; {_quoted(n)}"
+                    self.broken = f"rank {self.rank} {departure_place(where)}: {what}; {quoted(n)}"
                     raise RankFailed(self.broken)
             alike = {r for r, at, did in self._left if at == where and did == what}
             if len(alike) == self.world - 1:
@@ -251,7 +251,7 @@ class RankWatch:
             self._fail_together(f"rank {self.rank} stopped: rank {failures[0].rank} reported a collective that "
                                 "failed or waited too long", heard=notices)
         notes = [n for n in notices if n.message.startswith(NOTE)]
-        self.broken = "; ".join(_quoted(n) for n in failures + notes)
+        self.broken = "; ".join(quoted(n) for n in failures + notes)
         if self.board is not None:  # the failed rank learns at once that this one did not fail with it
             self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
         raise RankFailed(f"{self.broken}; every rank stops this step")
@@ -262,9 +262,9 @@ class RankWatch:
     def _fail_together(self, what: str, heard: list[Notice] | None = None) -> None:
         """Post ``what``, give the others ``ANSWER_S`` to post theirs (besides
         the notices ``heard`` already), raise naming the silent ranks."""
-        raise RankFailed(self._give_up(what, heard))
+        raise RankFailed(self.give_up(what, heard))
 
-    def _give_up(self, what: str, heard: list[Notice] | None = None) -> str:
+    def give_up(self, what: str, heard: list[Notice] | None = None) -> str:
         """``_fail_together`` up to the raise: the engine is broken, with the returned message."""
         if self.board is None:
             self.broken = what
@@ -291,73 +291,8 @@ class RankWatch:
         self.broken = "; ".join(parts)
         return self.broken
 
-    # -- the watcher thread's side (accelerator backends) ------------------------------------
-    def watch_notices(self, notices: list[Notice]) -> bool:
-        """What the watcher read on the board (see the Note). A peer that
-        posted it waits, or stopped, breaks the engine at once; a peer's
-        failure does after ``ANSWER_S``, unless this rank failed at the same
-        point (then every rank did, and they are still in step). Returns
-        True once the engine is broken."""
-        now = time.monotonic()
-        for n in notices:
-            if n.message.startswith(WAITING):
-                self._break_off(_quoted(n))
-                return True
-            if n.message.startswith(FAILED):
-                self._peer_failures.setdefault(n.message.rsplit(" ", 1)[-1], (now, n))
-        for tag, (seen, notice) in list(self._peer_failures.items()):
-            if tag in self._own_failures:
-                del self._peer_failures[tag]
-            elif now - seen > ANSWER_S:
-                self._break_off(_quoted(notice))
-                return True
-        return False
 
-    def watch_stall(self, seconds: float, what: str) -> bool:
-        """A collective followed by the watcher has not finished in ``collective_timeout_s``."""
-        self._give_up(f"rank {self.rank}: {what} has not finished after {seconds:.0f} s (collective_timeout_s)")
-        process_group.abort(self.group)
-        return True
-
-    def _break_off(self, reason: str) -> None:
-        """Another rank stopped: this one stops too, and aborts the process
-        group so that nothing waits on a collective that cannot finish."""
-        self.broken = f"{reason}; every rank stops this step"
-        if self.board is not None:
-            self.board.post(f"{WAITING}stopped on rank {self.rank} ({self.describe()})")
-        process_group.abort(self.group)
-
-
-def _warn_unwatched() -> None:
-    """Without a shared store no rank can tell the others it failed. (The
-    warnings module shows it once a process: same text, same place.)"""
-    warnings.warn(
-        "z3kit: no rendezvous store is shared by the ranks (torch.distributed's default store), so a rank "
-        "that fails or dies cannot tell the others: they will wait until the process group's own timeout. "
-        "Start the job with torch.distributed.init_process_group (torchrun) to get rank failure detection",
-        RuntimeWarning, stacklevel=3)
-
-
-def _start_watcher(watch: RankWatch, board: SideBand, timeout_s: float) -> PeerWatcher:
-    """A watcher thread for ``watch`` that ends when the engine is dropped
-    (it holds the watch weakly, so an engine left behind is not kept alive
-    by its own thread)."""
-    notices_of, stall_of = weakref.WeakMethod(watch.watch_notices), weakref.WeakMethod(watch.watch_stall)
-
-    def on_notices(notices: list[Notice]) -> bool:
-        method = notices_of()
-        return True if method is None else method(notices)
-
-    def on_stall(seconds: float, what: str) -> bool:
-        method = stall_of()
-        return True if method is None else method(seconds, what)
-
-    watcher = PeerWatcher(board.reader(), timeout_s=timeout_s, on_notices=on_notices, on_stall=on_stall)
-    watcher.start()
-    return watcher
-
-
-def _quoted(notice: Notice) -> str:
+def quoted(notice: Notice) -> str:
     """A notice as part of a message: its rank, then what it said (which may name the rank already)."""
     said = notice.message.split(": ", 1)[1]
     return said if said.startswith(f"rank {notice.rank} ") else f"rank {notice.rank} {said}"

@@ -70,6 +70,8 @@ class StepChecks:
         self.global_step, self.defer_all = global_step, defer_all
         #: checks in flight, each with the trainable parameters its flags are for
         self._in_flight: list[tuple[StepCheck, tuple[int, ...]]] = []
+        #: the accumulation window (``GradWindow.number``) of each check issued, by id
+        self._window_of: dict[int, int] = {}
         #: a late gradient was held by some rank in some backward read so far
         self.late_seen = False
         #: whether nothing has been read yet
@@ -95,6 +97,7 @@ class StepChecks:
         check = start_step_check(self.watch.group, self.device, global_step=self.global_step(),
                                  micro_step=micro_step, record=record, flags=flags)
         check.stage(self.watch.wait)
+        self._window_of[id(check)] = self.reducer.window.number
         due, self._in_flight = self._in_flight, [(check, tuple(trainable))]
         self._last_flags = flags
         read = [(c, pids, c.result(self.watch.wait)) for c, pids in due]
@@ -102,6 +105,14 @@ class StepChecks:
             read.append((check, tuple(trainable), check.result(self.watch.wait)))
             self._in_flight = []
             self._trial = False
+        self._apply(read)
+
+    def settle(self) -> None:
+        """Read and apply every check in flight now (collective: at a point
+        every rank reaches, such as a checkpoint save, which must see the
+        window's parameters marked used)."""
+        read = [(c, pids, c.result(self.watch.wait)) for c, pids in self._in_flight]
+        self._in_flight = []
         self._apply(read)
 
     def before_step(self) -> None:
@@ -141,7 +152,7 @@ class StepChecks:
         """What checks read at the end of a backward mean (the same on every rank)."""
         late: set[int] = set()
         for check, trainable, outcome in read:
-            stepped = check.global_step != self.global_step()
+            stepped = self._window_of.pop(id(check)) != self.reducer.window.number
             late_here = {p for p, held in zip(trainable, outcome.any_rank(LATE)) if held}
             if stepped and late_here:
                 raise RanksDisagree(
