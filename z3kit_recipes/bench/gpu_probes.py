@@ -115,16 +115,20 @@ def _engine(ctx: RankContext, wl: Workload, dtype: str) -> Zero3Engine:
 def host_sync_case(ctx: RankContext, wl: Workload, dtype: str) -> JSON:
     engine = _engine(ctx, wl, dtype)
     steps: list[dict[str, Any]] = []
+    waits: list[int] = []  # the engine's own reads that waited on the device (``Zero3Stats.host_waits``)
     for i in range(ctx.sizes.sync_steps):
         x, y = wl.batch(ctx.rank, ctx.sizes.warmup + i)
         calls: dict[str, Any] = {}
+        before = engine.stats().host_waits
         out = _watched(ctx, calls, "forward", lambda: engine(x))
         loss = wl.loss(out, y)
         _watched(ctx, calls, "backward", lambda: engine.backward(loss))
         _watched(ctx, calls, "step", engine.step)
         steps.append(calls)
+        waits.append(engine.stats().host_waits - before)
     return {
         "per_step": [sum(c["count"] for c in s.values()) for s in steps],
+        "engine_host_waits_per_step": waits,
         "per_call_per_step": {call: [s[call]["count"] for s in steps] for call in ENGINE_CALLS},
         # totals over the counted steps, by engine call: what synchronized, and from where
         "calls": {call: dict(collections.Counter(c for s in steps for c in s[call]["calls"])) for call in ENGINE_CALLS},
@@ -147,6 +151,7 @@ def merge_host_syncs(per_rank: list[JSON]) -> JSON:
     return {
         "syncs_per_step": max(max(r["per_step"], default=0) for r in per_rank),
         "per_step_per_rank": [r["per_step"] for r in per_rank],
+        "engine_host_waits_per_step": max(max(r["engine_host_waits_per_step"], default=0) for r in per_rank),
         "per_call_per_step_rank0": per_rank[0]["per_call_per_step"],
         "calls_rank0": per_rank[0]["calls"],
         "sites_rank0": per_rank[0]["sites"],

@@ -77,7 +77,8 @@ def _host_syncs(section: JSON) -> list[str]:
             lines.append(f"   {name:<12} ERROR {c['error']}")
             continue
         per_call = ", ".join(f"{call} {max(n, default=0)}" for call, n in c["per_call_per_step_rank0"].items())
-        lines.append(f"   {name:<12} {c['syncs_per_step']} per step ({per_call}; per rank {c['per_step_per_rank']})")
+        lines.append(f"   {name:<12} {c['syncs_per_step']} per step ({per_call}; per rank {c['per_step_per_rank']}); "
+                     f"engine's own waits on the device {c.get('engine_host_waits_per_step', 0)} per step")
         steps = len(c["per_step_per_rank"][0]) or 1
         for call, sites in c["sites_rank0"].items():
             lines += [f"      {call}: {n / steps:g}/step {site}" for site, n in sites.items()]

@@ -141,6 +141,11 @@ class StepCheck:
     def read(self) -> bool:
         return self._outcome is not None
 
+    @property
+    def waited(self) -> bool:
+        """Reading it had to wait for the device (a host sync of the engine's own)."""
+        return self._copy is not None and self._copy.blocked
+
     def result(self, waiter: Waiter) -> CheckOutcome:
         """Every rank's header and flags. Raises ``RanksDisagree`` on every
         rank (collective: call it where every rank reads its check) when
@@ -220,22 +225,25 @@ def issue_fetch_check(
     return FetchCheck(micro_step, index, fetch, all_gather(everyone, mine, group, async_op=True), everyone)
 
 
-def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck]) -> None:
+def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck]) -> bool:
     """Read ``checks`` in one copy to the host; raises ``RanksDisagree`` on
     every rank at the first fetch the ranks did differently (collective:
-    every rank settles the same checks at the same point)."""
+    every rank settles the same checks at the same point). Returns whether
+    the read had to wait for the device."""
     if not checks:
-        return
+        return False
     for check in checks:
         waiter(check.pending.is_completed, check.pending.wait)
     world = dist.get_world_size(group)
-    words = HostCopy(torch.cat([c.everyone for c in checks])).tolist()
+    copy = HostCopy(torch.cat([c.everyone for c in checks]))
+    words = copy.tolist()
     per_check = len(words) // len(checks)
     for n, check in enumerate(checks):
         table = words[n * per_check : (n + 1) * per_check]
         rows = [table[r * (per_check // world) : (r + 1) * (per_check // world)] for r in range(world)]
         if any(row != rows[0] for row in rows):
             _explain_fetch(group, check)
+    return copy.blocked
 
 
 def _explain_fetch(group: ProcessGroup, check: FetchCheck) -> None:

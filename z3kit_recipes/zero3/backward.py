@@ -116,6 +116,10 @@ class BackwardPass:
         self.training_state.phase = Phase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
+    def host_waits(self) -> int:
+        """Reads of the ranks' comparisons that had to wait for the device (``Zero3Stats.host_waits``)."""
+        return self.agreement.host_waits + (0 if self.checks is None else self.checks.host_waits)
+
     def settle_checks(self) -> None:
         """Apply the step checks still in flight (collective; ``StepChecks.settle``)."""
         if self.checks is not None:

@@ -46,6 +46,8 @@ class FetchAgreement:
         self._in_flight: list[FetchCheck] = []
         #: wall time spent agreeing, in all
         self.seconds = 0.0
+        #: reads that had to wait for the device (host syncs of the engine's own)
+        self.host_waits = 0
 
     def agree(self, index: int, fetch: tuple[str, int] | None) -> None:
         if self.world == 1:
@@ -60,7 +62,7 @@ class FetchAgreement:
     def settle(self) -> None:
         """Read the comparisons in flight (every rank at the same point)."""
         checks, self._in_flight = self._in_flight, []
-        settle_fetch_checks(self.group, self.watch.wait, checks)
+        self.host_waits += settle_fetch_checks(self.group, self.watch.wait, checks)
 
     def forget(self) -> None:
         """A forward failed: its comparisons are not read (they were issued

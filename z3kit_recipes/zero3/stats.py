@@ -66,6 +66,9 @@ class Zero3Stats:
     memory_plan: MemoryPlan | None
     #: graphs, recompilations and graph breaks, when part of the model is compiled (``zero3.compiled``)
     compile: CompileStats | None = None
+    #: the engine's own host syncs since it was built: reads of a step check or of fetch
+    #: comparisons that had to wait for the device (0 on CPU; see ``zero3.step_checks``)
+    host_waits: int = 0
 
     @property
     def comm_wait_share(self) -> float:
@@ -164,4 +167,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         memory=parts.memory.report(device_peak_bytes(parts.device)),
         memory_plan=parts.memory_plan,
         compile=parts.forward_context.stats(),
+        host_waits=parts.backward.host_waits(),
     )

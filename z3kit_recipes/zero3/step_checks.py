@@ -72,6 +72,8 @@ class StepChecks:
         self._in_flight: list[tuple[StepCheck, tuple[int, ...]]] = []
         #: the accumulation window (``GradWindow.number``) of each check issued, by id
         self._window_of: dict[int, int] = {}
+        #: reads that had to wait for the device (host syncs of the engine's own)
+        self.host_waits = 0
         #: a late gradient was held by some rank in some backward read so far
         self.late_seen = False
         #: whether nothing has been read yet
@@ -125,6 +127,7 @@ class StepChecks:
                 self._marked.add(id(check))
                 continue
             outcome = check.peek(self.watch.wait)  # only this rank reads here: no collective on this path
+            self.host_waits += check.waited
             if any(h != outcome.headers[0] for h in outcome.headers) or any(outcome.any_rank(LATE)):
                 message = ("the ranks' last backward before this optimizer step did not match, or held a late "
                            "gradient (a parameter used twice under reentrant checkpointing) for the first time; "
@@ -152,6 +155,7 @@ class StepChecks:
         """What checks read at the end of a backward mean (the same on every rank)."""
         late: set[int] = set()
         for check, trainable, outcome in read:
+            self.host_waits += check.waited
             stepped = self._window_of.pop(id(check)) != self.reducer.window.number
             late_here = {p for p, held in zip(trainable, outcome.any_rank(LATE)) if held}
             if stepped and late_here:
