@@ -44,14 +44,24 @@ def test_backend_for_rejects_non_devices(device: object) -> None:
 
 
 def test_accelerator_type_is_cpu_without_accelerator() -> None:
-    if torch.cuda.is_available() or torch.accelerator.current_accelerator() is not None:
+    if torch.cuda.is_available() or torch.accelerator.is_available():
         pytest.skip("an accelerator is present")
     assert accelerator_type() == "cpu"
 
 
 def test_accelerator_type_follows_torch_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
     assert accelerator_type() == "xpu"
+
+
+def test_accelerator_type_is_cpu_where_the_build_has_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch >= 2.7's current_accelerator() names the type the build was compiled for, devices or not
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    assert accelerator_type() == "cpu"
 
 
 def test_accelerator_type_falls_back_to_cuda_probe(monkeypatch: pytest.MonkeyPatch) -> None:

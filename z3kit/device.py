@@ -1,10 +1,10 @@
 """Device resolution: which accelerator this process drives and which
 process-group backend fits it.
 
-Resolution goes through torch's device-agnostic ``torch.accelerator`` API
-where it exists (torch >= 2.6). Ascend NPUs register themselves with that API
-only once ``torch_npu`` is imported, so the NPU probe imports it first when
-it is installed; it is an optional dependency and its absence is not an error.
+Resolution goes through torch's device-agnostic ``torch.accelerator`` API.
+Ascend NPUs register themselves with that API only once ``torch_npu`` is
+imported, so the NPU probe imports it first when it is installed; it is an
+optional dependency and its absence is not an error.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def _import_torch_npu() -> bool:
 def accelerator_type() -> str:
     """Type string of the accelerator present ("cuda", "npu", "xpu"), else "cpu"."""
     _import_torch_npu()
-    current = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    # is_available first: current_accelerator() names the type the build was compiled for, devices
+    # or not (cuda from a CUDA build of torch on a machine without a GPU)
+    current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if current is not None and current.type != "cpu":
         return current.type
     if torch.cuda.is_available():

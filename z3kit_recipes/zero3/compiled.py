@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -293,21 +293,20 @@ class ForwardContext:
 
     # -- counting -------------------------------------------------------------------------------
     def _start_counting(self) -> None:
-        from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handler
+        from z3kit_recipes.zero3.compile_events import on_dynamo_compile_end
 
         self_ref = weakref.ref(self)
         frame_compile = re.compile(r"(\d+)/(\d+)")
 
-        def on_compile_end(args: CallbackArgs) -> None:
+        def on_compile_end(compile_id: str) -> None:
             live = self_ref()
-            if live is None or args.callback_trigger is not CallbackTrigger.DYNAMO:
+            if live is None:
                 return
-            found = frame_compile.search(str(args.compile_id))
+            found = frame_compile.search(compile_id)
             if found is not None and int(found.group(2)) > 0:
                 live._recompiles += 1
 
-        callback_handler.register_end_callback(on_compile_end)
-        weakref.finalize(self, _remove_callback, callback_handler, on_compile_end)
+        weakref.finalize(self, on_dynamo_compile_end(on_compile_end))
         self._counting = True
         self._first = self._window_start = self._counts()
 
@@ -340,10 +339,3 @@ class ForwardContext:
             last_step=self._last_step,
             total=self._counts() - self._first,
         )
-
-
-def _remove_callback(handler: Any, callback: Callable[..., None]) -> None:
-    try:
-        handler.remove_end_callback(callback)
-    except ValueError:  # already cleared (torch._dynamo.reset clears every callback)
-        pass
