@@ -64,6 +64,21 @@ def test_host_syncs_are_counted_with_their_sites_in_backward_too() -> None:
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # put back
 
 
+def test_sync_debug_mode_warnings_count_only_synchronizing_calls() -> None:
+    from z3kit.host_sync import synchronizing_calls
+
+    # what torch's CUDA sync debug mode warns (the notice first, once per process: seen on an H200)
+    seen = [
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations "
+        "(Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)",
+        "called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp:120.)",
+        "some other warning raised inside the block",
+        "called a synchronizing CUDA operation\nmore lines",
+    ]
+    assert synchronizing_calls(seen) == ["called a synchronizing CUDA operation (Triggered internally at "
+                                         "c10/cuda/CUDAFunctions.cpp:120.)", "called a synchronizing CUDA operation"]
+
+
 # --------------------------------------------------------------------------- #
 # The double's work handles
 # --------------------------------------------------------------------------- #

@@ -11,6 +11,7 @@ frees every gathered parameter.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,7 +46,7 @@ class BackwardPass:
         watch: RankWatch,
         agreement: FetchAgreement,
         training_state: TrainingState,
-        defer_reductions: bool = False,
+        defer_reductions: bool,
     ) -> None:
         self.shards, self.names, self.trainable, self.leaf_params = shards, names, trainable, leaf_params
         self.coordinator, self.reducer, self.hooks, self.record = coordinator, reducer, hooks, record
@@ -77,9 +78,15 @@ class BackwardPass:
         return self._queued
 
     def _grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
+        # a weak reference: torch keeps a parameter's post-accumulate-grad hooks where the
+        # garbage collector does not look, so a hook holding this pass would keep a dropped
+        # engine, with its shards, buffers and optimizer state, alive for good
+        this = weakref.ref(self)
+
         def on_grad_ready(param: torch.Tensor) -> None:
-            if param.grad is not None:
-                self._hand_over(pid, param, param.grad)
+            live = this()
+            if live is not None and param.grad is not None:
+                live._hand_over(pid, param, param.grad)
 
         return on_grad_ready
 

@@ -199,6 +199,7 @@ def assemble(
     backward = BackwardPass(
         layout.shards, names, layout.trainable, frozenset(leaf_params), coordinator=coordinator, reducer=reducer,
         hooks=hooks, record=record, watch=watch, agreement=agreement, training_state=state,
+        defer_reductions=config.divergent_graphs,
     )
     optimizer_step = None if optimizer is None or reducer is None else OptimizerStep(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,
