@@ -144,6 +144,17 @@ def _raise_bad_batch(module: nn.Module, args: Any) -> None:
     raise ValueError("this batch is corrupt")
 
 
+def _timed_step(engine: Any, b: dict[str, Any]) -> tuple[str, float]:
+    """One training step: what it raised ("" if nothing), and how long it took."""
+    start = time.monotonic()
+    try:
+        engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+        engine.step()
+    except Exception as e:  # noqa: BLE001 - what each rank sees is the result
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return "", time.monotonic() - start
+
+
 def run_rank_raises_in_forward(ctx: Any) -> dict[str, Any]:
     """One healthy step, then rank 1's forward raises: the others, waiting in a
     collective rank 1 never joins, must raise ``RankFailed`` (on NCCL, a plain
@@ -165,13 +176,7 @@ def run_rank_raises_in_forward(ctx: Any) -> dict[str, Any]:
         if not out["setup"]:
             if ctx.rank == 1:
                 engine.module.layers[1].register_forward_pre_hook(_raise_bad_batch)
-            start = time.monotonic()
-            try:
-                engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
-                engine.step()
-            except Exception as e:  # noqa: BLE001
-                out["caught"] = f"{type(e).__name__}: {e}"
-            out["seconds"] = time.monotonic() - start
+            out["caught"], out["seconds"] = _timed_step(engine, b)
         out["violations"] = list(DOUBLE.violations)
     return out
 
@@ -206,13 +211,7 @@ def run_rank_stuck_outside(ctx: Any) -> dict[str, Any]:
         engine.step()
         if ctx.rank == 1:
             time.sleep(8.0)
-        start = time.monotonic()
-        try:
-            engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
-            engine.step()
-        except Exception as e:  # noqa: BLE001
-            out["caught"] = f"{type(e).__name__}: {e}"
-        out["seconds"] = time.monotonic() - start
+        out["caught"], out["seconds"] = _timed_step(engine, b)
         out["violations"] = list(DOUBLE.violations)
     return out
 

@@ -6,10 +6,12 @@ import torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator, Mapping
 
 #: default bytecode cache of the commands' processes (see ``use_bytecode_cache``)
 PYCACHE_DIR = os.path.join(tempfile.gettempdir(), "z3kit-pycache")
@@ -29,6 +31,22 @@ def use_bytecode_cache(pycache_dir: str = PYCACHE_DIR) -> None:
     if pycache_dir and sys.pycache_prefix is None:
         sys.pycache_prefix = pycache_dir
         sys.dont_write_bytecode = False
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block (processes started inside
+    inherit them), each restored or removed after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def free_port() -> int:

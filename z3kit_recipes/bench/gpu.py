@@ -33,13 +33,12 @@ reported but not meaningful.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,7 +48,7 @@ from z3kit_recipes.bench.gpu_rank import CheckSpec, Sizes, rank_main
 from z3kit_recipes.bench.gpu_report import failures, render
 from z3kit_recipes.bench.rss import malloc_returns_freed_memory
 from z3kit_recipes.bench.spec import JSON
-from z3kit_recipes.launch import PYCACHE_DIR, free_port, use_bytecode_cache
+from z3kit_recipes.launch import PYCACHE_DIR, environment, free_port, use_bytecode_cache
 from z3kit_recipes.models import LLAMA_CONFIG, GPTConfig
 
 # torch's stubs leave spawn untyped; bind it once with the type used here.
@@ -81,21 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """``values`` in ``os.environ`` for processes started inside, restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def launch(spec_args: dict[str, Any], limit_s: float) -> JSON:
     """One world in freshly spawned ranks; its result, or why there is none."""
     fd, out_path = tempfile.mkstemp(prefix="z3kit-gpu-check-", suffix=".json")
@@ -103,7 +87,7 @@ def launch(spec_args: dict[str, Any], limit_s: float) -> JSON:
     spec = CheckSpec(port=free_port(), out_path=out_path, **spec_args)
     t0 = time.perf_counter()
     try:
-        with _environ(OMP_NUM_THREADS=str(spec.threads)), malloc_returns_freed_memory():
+        with environment({"OMP_NUM_THREADS": str(spec.threads)}), malloc_returns_freed_memory():
             ctx = _spawn(rank_main, args=(spec,), nprocs=spec.world, join=False)
             deadline = time.monotonic() + limit_s
             while not ctx.join(timeout=1.0):

@@ -26,7 +26,6 @@ engine that did not step, is near 1 there whatever the learning rate.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from collections.abc import Callable
 from typing import Final
@@ -35,7 +34,7 @@ import attrs
 import torch
 from torch import nn
 
-from z3kit_recipes.bench.gpu_rank import DTYPES, MODELS, RankContext, Section, adam, guarded
+from z3kit_recipes.bench.gpu_rank import RankContext, Section, adam, each_case
 from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import initialize
@@ -160,16 +159,6 @@ def parity_case(ctx: RankContext, wl: Workload, dtype: str) -> JSON:
     }
 
 
-def run(ctx: RankContext) -> JSON:
-    cases: JSON = {}
-    for model in MODELS:
-        wl = ctx.workload(model)
-        for dtype in DTYPES:
-            cases[f"{model}/{dtype}"] = guarded(functools.partial(parity_case, ctx, wl, dtype))
-            ctx.free()
-    return cases
-
-
 def merge(per_rank: list[JSON]) -> JSON:
     """Worst over ranks: each step's loss difference; the parameters are the same full values on every rank."""
     first = per_rank[0]
@@ -198,6 +187,6 @@ def summarize(cases: JSON, ctx: RankContext) -> JSON:
             "steps": ctx.sizes.parity_steps}
 
 
-PARITY: Final = Section("parity", run, merge, summarize)
+PARITY: Final = Section("parity", lambda ctx: each_case(ctx, parity_case), merge, summarize)
 
 __all__ = ["PARITY", "REFERENCE", "TOLERANCES", "PlainTraining", "Tolerance"]

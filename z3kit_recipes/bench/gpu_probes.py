@@ -20,7 +20,6 @@ inputs, the loss and temporaries.
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import sys
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 import z3kit_recipes
 from z3kit.host_sync import SYNCING_CALLS, HostSyncCounter
-from z3kit_recipes.bench.gpu_rank import DTYPES, MODELS, RankContext, Section, adam, guarded
+from z3kit_recipes.bench.gpu_rank import RankContext, Section, adam, each_case
 from z3kit_recipes.bench.rss import memory_probe
 from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
@@ -136,16 +135,6 @@ def host_sync_case(ctx: RankContext, wl: Workload, dtype: str) -> JSON:
     }
 
 
-def _cases(ctx: RankContext, case: Callable[[RankContext, Workload, str], JSON]) -> JSON:
-    cases: JSON = {}
-    for model in MODELS:
-        wl = ctx.workload(model)
-        for dtype in DTYPES:
-            cases[f"{model}/{dtype}"] = guarded(functools.partial(case, ctx, wl, dtype))
-            ctx.free()
-    return cases
-
-
 def merge_host_syncs(per_rank: list[JSON]) -> JSON:
     """The worst step of any rank (an int), each rank's counts, rank 0's calls and sites."""
     return {
@@ -221,8 +210,8 @@ def summarize_memory(cases: JSON, ctx: RankContext) -> JSON:
     return {"meaningful": ctx.meaningful, "note": note}
 
 
-HOST_SYNCS: Final = Section("host_syncs", lambda ctx: _cases(ctx, host_sync_case), merge_host_syncs,
+HOST_SYNCS: Final = Section("host_syncs", lambda ctx: each_case(ctx, host_sync_case), merge_host_syncs,
                             summarize_host_syncs)
-MEMORY: Final = Section("memory", lambda ctx: _cases(ctx, memory_case), merge_memory, summarize_memory)
+MEMORY: Final = Section("memory", lambda ctx: each_case(ctx, memory_case), merge_memory, summarize_memory)
 
 __all__ = ["ENGINE_CALLS", "HOST_SYNCS", "MEMORY", "SyncSites"]

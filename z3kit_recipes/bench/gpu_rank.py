@@ -11,6 +11,7 @@ or the CPU over gloo in a dry run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -188,6 +189,18 @@ def guarded(fn: Callable[[], JSON]) -> JSON:
         return error_result(exc)
     result.setdefault("status", "ok")
     return result
+
+
+def each_case(ctx: RankContext, case: Callable[[RankContext, Workload, str], JSON]) -> JSON:
+    """``case`` for every model and compute dtype, by ``model/dtype``, each
+    ``guarded`` and followed by ``ctx.free()``."""
+    cases: JSON = {}
+    for model in MODELS:
+        wl = ctx.workload(model)
+        for dtype in DTYPES:
+            cases[f"{model}/{dtype}"] = guarded(functools.partial(case, ctx, wl, dtype))
+            ctx.free()
+    return cases
 
 
 def merge_cases(per_rank: list[JSON], merge_case: Callable[[list[JSON]], JSON]) -> JSON:

@@ -33,12 +33,12 @@ allocator in between.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final, Protocol
 
 import torch
+
+from z3kit_recipes.launch import environment
 
 STATUS: Final = Path("/proc/self/status")
 CLEAR_REFS: Final = Path("/proc/self/clear_refs")
@@ -136,19 +136,9 @@ def memory_probe(device: torch.device) -> MemoryProbe:
     return AllocatorProbe(device)
 
 
-@contextlib.contextmanager
-def malloc_returns_freed_memory() -> Iterator[None]:
+def malloc_returns_freed_memory() -> contextlib.AbstractContextManager[None]:
     """``GLIBC_MALLOC_ENV`` in ``os.environ`` for processes started inside, restored after.
 
     Only child processes see it: glibc read the variables when this process started.
     """
-    saved = {name: os.environ.get(name) for name in GLIBC_MALLOC_ENV}
-    os.environ.update(GLIBC_MALLOC_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment(GLIBC_MALLOC_ENV)

@@ -10,12 +10,11 @@ gloo on a free loopback port.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from z3kit.device import DeviceInfo, resolve_device
-from z3kit_recipes.launch import PYCACHE_DIR, free_port, leave_together, use_bytecode_cache
+from z3kit_recipes.launch import PYCACHE_DIR, environment, free_port, leave_together, use_bytecode_cache
 from z3kit_recipes.train.job import run_job
 from z3kit_recipes.train.spec import RunSpec
 
@@ -61,7 +60,7 @@ def spawn_ranks(spec: RunSpec, nproc: int) -> int:
     # the ranks read torch's bytecode from the cache before they run any code of ours
     rank_env = {"OMP_NUM_THREADS": str(spec.threads), "PYTHONPYCACHEPREFIX": sys.pycache_prefix or PYCACHE_DIR}
     try:
-        with _environment(rank_env):
+        with environment(rank_env):
             # spawn pickles the entry point by its module's name: this
             # module, importable in the child, never a __main__
             _spawn(_spawned_rank, args=(spec, nproc), nprocs=nproc, join=True)
@@ -118,18 +117,3 @@ def _cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Environment variables set for the block (spawned processes inherit them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
