@@ -60,8 +60,12 @@ from tests.sim_group import BACKEND, DEVICE_LAG_S, SimGroup, SimWork
 from tests.sync_sites import SyncSites
 from z3kit.stream_check import StreamOrderChecker
 
+#: the single-tensor collectives under their torch 2.13 names, on any torch from the floor up
+all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["BACKEND", "DEVICE_LAG_S", "DOUBLE", "AcceleratorSemanticsError", "Double", "Observed", "SimGroup",
-           "SimWork", "new_group", "register"]
+           "SimWork", "all_gather_single", "new_group", "reduce_scatter_single", "register"]
 
 
 class AcceleratorSemanticsError(AssertionError):

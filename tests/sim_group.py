@@ -132,6 +132,11 @@ class SimWork(dist.Work):
             self._settle(RuntimeError(f"{self.kind}: the process group was aborted"))
 
 
+def _given(opts: Any) -> tuple[Any, ...]:
+    """A collective's options as arguments: none where the caller gave none."""
+    return () if opts is None else (opts,)
+
+
 class SimGroup(dist.ProcessGroup):
     """A ``z3sim`` group: the collectives z3kit, torch's object collectives and
     DCP use, issued on an inner gloo group and recorded (module docstring)."""
@@ -208,16 +213,15 @@ class SimGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         return self._issue("all_reduce", tensors, tensors, tensors, lambda: self._gloo.allreduce(tensors, opts), tensors)
 
+    # all-gathers: without options, gloo's own defaults (torch < 2.13 has no dist.AllgatherOptions)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
-        opts = opts or dist.AllgatherOptions()
-        start = lambda: self._gloo._allgather_base(output, input, opts)  # noqa: E731
+        start = lambda: self._gloo._allgather_base(output, input, *_given(opts))  # noqa: E731
         return self._issue("all_gather", [input], [input], [output], start, output)
 
     _allgather_base = all_gather_single  # the name torch < 2.13 calls
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
-        opts = opts or dist.AllgatherOptions()
-        start = lambda: self._gloo.allgather(outputs, inputs, opts)  # noqa: E731
+        start = lambda: self._gloo.allgather(outputs, inputs, *_given(opts))  # noqa: E731
         return self._issue("all_gather_list", inputs, inputs, [t for ts in outputs for t in ts], start, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:

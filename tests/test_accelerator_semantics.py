@@ -112,10 +112,10 @@ def run_collectives(ctx: Any) -> dict[str, Any]:
         dist.all_reduce(t, group=group)
         out["all_reduce"] = t.tolist()
         gathered = torch.empty(2 * world)
-        dist.all_gather_single(gathered, torch.full((2,), float(rank)), group=group)
+        double.all_gather_single(gathered, torch.full((2,), float(rank)), group=group)
         out["all_gather"] = gathered.tolist()
         part = torch.empty(2)
-        dist.reduce_scatter_single(part, torch.arange(2.0 * world) * (rank + 1), group=group)
+        double.reduce_scatter_single(part, torch.arange(2.0 * world) * (rank + 1), group=group)
         out["reduce_scatter"] = part.tolist()
         b = torch.full((2,), float(rank))
         work = dist.broadcast(b, group_src=world - 1, group=group, async_op=True)
@@ -232,7 +232,7 @@ def run_issue_order(ctx: Any) -> dict[str, Any]:
     group = _group(ctx)
     with DOUBLE.observing():
         dist.all_reduce(torch.ones(5, dtype=torch.float64), group=group)
-        dist.all_gather_single(torch.empty(3 * ctx.world, dtype=torch.int32), torch.ones(3, dtype=torch.int32), group=group)
+        double.all_gather_single(torch.empty(3 * ctx.world, dtype=torch.int32), torch.ones(3, dtype=torch.int32), group=group)
         dist.broadcast(torch.ones(2), group_src=0, group=group)
         dist.barrier(group=group)
         return DOUBLE.issued()
@@ -259,14 +259,14 @@ def run_tickets(ctx: Any) -> dict[str, Any]:
             dist.all_reduce(buf[2:5], group=group)
         pair.complete(ticket, lambda: None)
         with pair.communicate(reads=[shard], writes=[full], label="gather") as ticket:
-            dist.all_gather_single(full, shard, group=group)
+            double.all_gather_single(full, shard, group=group)
         pair.complete(ticket, lambda: None)
         dist.all_reduce(other, group=group)  # outside every communicate: not checked
         clean = list(DOUBLE.violations)
         for name, reads, writes, issue in [
             ("not in the ticket", [buf], [buf], lambda: dist.all_reduce(other, group=group)),
-            ("written, only read", [shard], [full], lambda: dist.all_gather_single(full, shard.clone(), group=group)),
-            ("writes what it reads", [shard, full], [], lambda: dist.all_gather_single(full, shard, group=group)),
+            ("written, only read", [shard], [full], lambda: double.all_gather_single(full, shard.clone(), group=group)),
+            ("writes what it reads", [shard, full], [], lambda: double.all_gather_single(full, shard, group=group)),
         ]:
             with pair.communicate(reads=reads, writes=writes, label=name) as ticket:
                 try:
