@@ -334,30 +334,3 @@ def test_blocks_compiled_after_training_keep_what_their_modules_learned(pools: A
 def test_inductor_per_block(pools: Any) -> None:
     """Inductor's own kernels, per block, at parity with DDP running them too."""
     check(pools.run(1, run_compiled, "mlp", "block", backend="inductor", timeout=180), "block", backend_counts=False)
-
-
-def _compile_ids(ctx: Any) -> list[str]:
-    from z3kit_recipes.zero3.compile_events import on_dynamo_compile_end
-
-    torch._dynamo.reset()
-    seen: list[str] = []
-    remove = on_dynamo_compile_end(seen.append)
-
-    def double_sum(x: torch.Tensor) -> torch.Tensor:
-        return (x * 2).sum()
-
-    f = torch.compile(double_sum, backend=counting, dynamic=False)
-    f(torch.ones(3, requires_grad=True)).backward()
-    f(torch.ones(4, requires_grad=True)).backward()  # another shape: a recompile
-    f(torch.ones(3, dtype=torch.float64))  # another dtype: one more
-    remove()
-    f(torch.ones(5))  # compiled, not seen
-    torch._dynamo.reset()  # clears every callback: removing again is a no-op
-    remove()
-    return seen
-
-
-def test_compile_end_events_name_each_frame_compile(pools: Any) -> None:
-    # stats().compile counts recompiles from these ids; torch 2.7 and 2.8+ deliver them differently
-    (seen,) = pools.run(1, _compile_ids)
-    assert [compile_id.split("/")[-1] for compile_id in seen] == ["0", "1", "2"], seen

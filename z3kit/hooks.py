@@ -59,7 +59,7 @@ Note: hook bodies run with torch-function dispatch disabled.
     dispatch of every bookkeeping op keeps the per-module cost low.
 
 Note: hooks under torch.compile.
-    The forward hooks are wrapped in ``torch._dynamo.disable``
+    The forward hooks are wrapped in ``torch.compiler.disable``
     (``outside_graphs``), as FSDP2 wraps its own: torch.compile never traces
     a hook body (a gather's ``param.data`` swap, a collective, a counter).
     Where compiled code would call a hook (the hooks of a module inside a
@@ -94,7 +94,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def outside_graphs(fn: _F) -> _F:
     """``fn`` always runs eagerly: torch.compile never traces it (a graph break where compiled code calls it)."""
-    return cast(_F, torch._dynamo.disable(fn, recursive=True))
+    return cast(_F, torch.compiler.disable(fn, recursive=True))
 
 
 def in_backward() -> bool:

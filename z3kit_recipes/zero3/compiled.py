@@ -61,7 +61,6 @@ Note: no recompilation.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
@@ -72,9 +71,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_registry
 
+from z3kit.dynamo import compile_totals, current_function_mode, is_compiled, on_frame_compiled
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.trace import TraceState
-from z3kit_recipes.zero3.hook_plan import compiled_units, fetch_groups, is_compiled
+from z3kit_recipes.zero3.hook_plan import compiled_units, fetch_groups
 from z3kit_recipes.zero3.params import ParamCoordinator
 from z3kit_recipes.zero3.phase import Phase, TrainingState
 
@@ -189,7 +189,7 @@ class ForwardContext:
             if self._learning:
                 self._eager_forwards += 1
                 self._stance = torch.compiler.set_stance("force_eager")
-        torch.overrides._push_mode(self._mode)  # TorchFunctionMode.__enter__
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(
@@ -197,7 +197,7 @@ class ForwardContext:
     ) -> None:
         # a compiled module that raised never ran its post-forward: the mode is off the stack already
         if not any(self._suspended):
-            torch.overrides._pop_mode()  # TorchFunctionMode.__exit__
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         self._suspended.clear()
         if self._stance is not None:
             self._stance.__exit__(exc_type, exc, tb)
@@ -210,14 +210,14 @@ class ForwardContext:
     def _suspend(self) -> None:
         """Pre-forward of a compiled module: pop the mode (unless learning) until its post-forward."""
         popped = False
-        if not self._learning and torch.overrides._get_current_function_mode() is self._mode:
-            torch.overrides._pop_mode()
+        if not self._learning and current_function_mode() is self._mode:
+            self._mode.__exit__(None, None, None)
             popped = True
         self._suspended.append(popped)
 
     def _resume(self) -> None:
         if self._suspended and self._suspended.pop():
-            torch.overrides._push_mode(self._mode)
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
 
     def _wrap(self, actions: HookActions) -> HookActions:
         def pre_forward(module: nn.Module) -> None:
@@ -293,30 +293,20 @@ class ForwardContext:
 
     # -- counting -------------------------------------------------------------------------------
     def _start_counting(self) -> None:
-        from z3kit_recipes.zero3.compile_events import on_dynamo_compile_end
-
         self_ref = weakref.ref(self)
-        frame_compile = re.compile(r"(\d+)/(\d+)")
 
-        def on_compile_end(compile_id: str) -> None:
+        def on_compiled(frame_compile_id: int) -> None:
             live = self_ref()
-            if live is None:
-                return
-            found = frame_compile.search(compile_id)
-            if found is not None and int(found.group(2)) > 0:
+            if live is not None and frame_compile_id > 0:
                 live._recompiles += 1
 
-        weakref.finalize(self, on_dynamo_compile_end(on_compile_end))
+        weakref.finalize(self, on_frame_compiled(on_compiled))
         self._counting = True
         self._first = self._window_start = self._counts()
 
     def _counts(self) -> CompileCounts:
-        counters = torch._dynamo.utils.counters
-        return CompileCounts(
-            graphs=int(counters["stats"]["unique_graphs"]),
-            recompiles=self._recompiles,
-            graph_breaks=int(counters["graph_break"].total()),
-        )
+        graphs, graph_breaks = compile_totals()
+        return CompileCounts(graphs=graphs, recompiles=self._recompiles, graph_breaks=graph_breaks)
 
     def _roll_window(self) -> None:
         """Close the per-step window once an optimizer step was taken since it opened."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
+
+from z3kit.dynamo import is_compiled
 
 LeafSpec = type[nn.Module] | nn.Module
 
@@ -47,12 +48,6 @@ def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Modul
         if next(leaf.parameters(), None) is None:
             raise ValueError(f"leaf module {type(leaf).__name__} has no parameters")
     return leaves
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """``module.compile()`` was called on it, or it is ``torch.compile(m)``'s wrapper.
-    (Cheap: the engine asks it of every module at every forward.)"""
-    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, OptimizedModule)
 
 
 def compiled_units(model: nn.Module, leaves: Iterable[nn.Module] = ()) -> list[nn.Module]:

@@ -74,11 +74,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
+from z3kit.dynamo import is_compile_wrapper, is_compiled
 from z3kit.hooks import in_backward, map_tensors, outside_graphs
 from z3kit_recipes.zero3.build import EngineParts
-from z3kit_recipes.zero3.hook_plan import is_compiled
 from z3kit_recipes.zero3.join import Arguments, Join
 from z3kit_recipes.zero3.phase import Phase
 
@@ -268,7 +267,7 @@ def starts_compiled(root: nn.Module) -> bool:
     """A call of ``root`` starts inside compiled code: it was compiled in place
     (``model.compile()``). A ``torch.compile(model)`` wrapper runs its hooks
     before its compiled forward."""
-    return is_compiled(root) and not isinstance(root, OptimizedModule)
+    return is_compiled(root) and not is_compile_wrapper(root)
 
 
 def _call_frame() -> FrameType | None:
