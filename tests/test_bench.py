@@ -86,7 +86,7 @@ def test_compile_option_names_the_scope_and_backend() -> None:
 def test_compile_spec_compiles_the_workloads_blocks_or_the_model() -> None:
     from z3kit_recipes.bench.runners import CompileSpec
     from z3kit_recipes.models import TinyWorkload
-    from z3kit_recipes.zero3.hook_plan import is_compiled
+    from z3kit_recipes.zero3.training.hook_plan import is_compiled
 
     wl = TinyWorkload(depth=3, width=4)
     model = wl.build_model()

@@ -1,4 +1,4 @@
-"""torch.compile with the zero3 runtime (``zero3.compiled``), against DDP
+"""torch.compile with the zero3 runtime (``zero3.compile.compiled``), against DDP
 running the same compiled model.
 
 Each case trains one model for a few steps twice on every rank, with
@@ -337,7 +337,7 @@ def test_inductor_per_block(pools: Any) -> None:
 
 
 def _compile_ids(ctx: Any) -> list[str]:
-    from z3kit_recipes.zero3.compile_events import on_dynamo_compile_end
+    from z3kit_recipes.zero3.compile.compile_events import on_dynamo_compile_end
 
     torch._dynamo.reset()
     seen: list[str] = []

@@ -1,17 +1,17 @@
 """Zero3Engine: the stock ZeRO-3 runtime, one part per stage of the data flow.
 
-    initialize  (zero3.initialize) arguments checked; (zero3.build) the parts
+    initialize  (zero3.initialize) arguments checked; (zero3.runtime.build) the parts
                 made: full parameter -> ShardLayout (1/N shards, fp32 masters)
-    forward     ParamCoordinator (zero3.params): pre-forward fetch (trace,
-                agreement, prefetch through the Gatherer, zero3.gathers)
+    forward     ParamCoordinator (zero3.training.params): pre-forward fetch (trace,
+                agreement, prefetch through the Gatherer, zero3.training.gathers)
                 -> compute -> post-forward release (ReleasePolicy)
-    backward    BackwardPass (zero3.backward): pre-backward fetch -> compute
-                -> grad-ready hook -> GradReducer (zero3.grads: FlatBucket ->
+    backward    BackwardPass (zero3.training.backward): pre-backward fetch -> compute
+                -> grad-ready hook -> GradReducer (zero3.training.grads: FlatBucket ->
                 reduce -> GradPartitionBuffer) -> post-backward release;
                 end-of-backward epilogue (ranks compared, everything freed)
-    step        OptimizerStep (zero3.optim_step): clip -> optimizer on the
+    step        OptimizerStep (zero3.training.optim_step): clip -> optimizer on the
                 master shards -> write back to the shards
-    stats       StepStats (zero3.stats) -> Zero3Stats
+    stats       StepStats (zero3.runtime.stats) -> Zero3Stats
 
 Every gather and reduction runs on a stream pair and is completed by its one
 owner (the Gatherer, the GradReducer); see ``z3kit.streams``.
@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit_recipes.zero3 import weights
-from z3kit_recipes.zero3.build import EngineParts
-from z3kit_recipes.zero3.join import Join
-from z3kit_recipes.zero3.phase import Phase
-from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
-from z3kit_recipes.zero3.root_hooks import RootForward
-from z3kit_recipes.zero3.stats import Zero3Stats, collect_stats
-from z3kit_recipes.zero3.timeline import TimelineEvent
+from z3kit_recipes.zero3.weights import full_values
+from z3kit_recipes.zero3.runtime.build import EngineParts
+from z3kit_recipes.zero3.lockstep.join import Join
+from z3kit_recipes.zero3.training.phase import Phase
+from z3kit_recipes.zero3.weights.pretrained import DEFAULT_MAX_SHARD_BYTES
+from z3kit_recipes.zero3.runtime.root_hooks import RootForward
+from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
+from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 
 class Zero3Engine:
@@ -52,7 +52,7 @@ class Zero3Engine:
         self.trace, self.training_state, self.watch = parts.trace, parts.training_state, parts.watch
         #: the knobs ``config.memory_budget`` was turned into, when it is set
         self.memory_plan = parts.memory_plan
-        #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.root_hooks``)
+        #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.runtime.root_hooks``)
         self.forwards = RootForward(parts, self._abort)
 
     @property
@@ -78,7 +78,7 @@ class Zero3Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward: ``engine(x)`` is ``model(x)``, whose root hooks
-        do the engine's part (see ``zero3.root_hooks``)."""
+        do the engine's part (see ``zero3.runtime.root_hooks``)."""
         return self.forwards.call(args, kwargs)
 
     def _abort(self, what: str, exc: BaseException) -> None:
@@ -155,7 +155,7 @@ class Zero3Engine:
         """Ranks with different numbers of batches (eval, or the last training
         ones), in the manner of ``torch.distributed.algorithms.Join``: wrap
         each rank's loop; a rank whose loop ends repeats its last forward of
-        the kind the others run until every loop has ended (see ``zero3.join``)."""
+        the kind the others run until every loop has ended (see ``zero3.lockstep.join``)."""
         if self.forwards.join is not None:
             raise RuntimeError("engine.join() blocks do not nest")
         join = self.forwards.join = Join(self, self.forwards.last)
@@ -190,7 +190,7 @@ class Zero3Engine:
         try:
             yield [self.shards[p].param for p in pids]
             if modifier_rank is not None:
-                weights.adopt_full_values(self, pids, modifier_rank)
+                full_values.adopt_full_values(self, pids, modifier_rank)
         finally:
             self.coordinator.unpin(pids)
 
@@ -231,7 +231,7 @@ class Zero3Engine:
         self.parts.gather_streams.synchronize()
         self.parts.reduce_streams.synchronize()
 
-    # -- weights in and out (zero3.weights, zero3.checkpoint, zero3.pretrained) -----------------
+    # -- weights in and out (zero3.weights.full_values, zero3.weights.checkpoint, zero3.weights.pretrained) -----------------
     def train(self, mode: bool = True) -> Zero3Engine:
         self.module.train(mode)
         return self
@@ -240,20 +240,20 @@ class Zero3Engine:
         return self.train(False)
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full parameter values and persistent buffers by name, on CPU (collective; see ``zero3.weights``)."""
-        return weights.full_state_dict(self, rank0_only=rank0_only)
+        """Full parameter values and persistent buffers by name, on CPU (collective; see ``zero3.weights.full_values``)."""
+        return full_values.full_state_dict(self, rank0_only=rank0_only)
 
     def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
         """Write the training state under ``path``, each rank its own part
-        (collective; see ``zero3.checkpoint``). ``client_state`` is yours
+        (collective; see ``zero3.weights.checkpoint``). ``client_state`` is yours
         (a data position, a scheduler's state), returned by ``load_checkpoint``."""
-        from z3kit_recipes.zero3.checkpoint import save_checkpoint
+        from z3kit_recipes.zero3.weights.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, client_state)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
-        from z3kit_recipes.zero3.checkpoint import load_checkpoint
+        from z3kit_recipes.zero3.weights.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
 
@@ -261,16 +261,16 @@ class Zero3Engine:
         self, path: str | os.PathLike[str], *, tag: str | None = None, load_optimizer_hyperparameters: bool = False
     ) -> dict[str, Any]:
         """Load a DeepSpeed ZeRO-3 ``save_checkpoint`` directory, saved at any
-        world size (collective; see ``zero3.deepspeed_import``); returns its client state."""
-        from z3kit_recipes.zero3.deepspeed_import import load_deepspeed_checkpoint
+        world size (collective; see ``zero3.weights.deepspeed_import``); returns its client state."""
+        from z3kit_recipes.zero3.weights.deepspeed_import import load_deepspeed_checkpoint
 
         return load_deepspeed_checkpoint(
             self, path, tag=tag, load_optimizer_hyperparameters=load_optimizer_hyperparameters
         )
 
     def load_pretrained(self, path: str | os.PathLike[str]) -> None:
-        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.pretrained``)."""
-        from z3kit_recipes.zero3.pretrained import load_pretrained
+        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.weights.pretrained``)."""
+        from z3kit_recipes.zero3.weights.pretrained import load_pretrained
 
         load_pretrained(self, path)
 
@@ -279,7 +279,7 @@ class Zero3Engine:
         dtype: torch.dtype | None = None,
     ) -> None:
         """Write the full model in the Hugging Face layout, one parameter at a time (collective)."""
-        from z3kit_recipes.zero3.pretrained import save_pretrained
+        from z3kit_recipes.zero3.weights.pretrained import save_pretrained
 
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
@@ -287,8 +287,8 @@ class Zero3Engine:
         """The model's Hugging Face ``generate`` on every rank in lockstep
         (collective: call it on every rank). ``rank=r``: rank r's arguments
         and sampling seed are used everywhere, and only rank r gets the
-        result (the others get None); see ``zero3.generate``."""
-        from z3kit_recipes.zero3.generate import generate
+        result (the others get None); see ``zero3.lockstep.generate``."""
+        from z3kit_recipes.zero3.lockstep.generate import generate
 
         return generate(self, args, kwargs, rank)
 
