@@ -22,7 +22,7 @@ import torch.distributed as dist
 from z3kit.hooks import map_tensors
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 
 def generate(engine: Zero3Engine, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int | None) -> Any:

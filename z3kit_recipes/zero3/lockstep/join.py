@@ -42,7 +42,7 @@ from z3kit.collectives import all_gather
 from z3kit.hooks import iter_tensors
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 EVAL, TRAIN = 0, 1
 _KIND = {EVAL: "an eval (or no_grad) forward", TRAIN: "a training forward"}

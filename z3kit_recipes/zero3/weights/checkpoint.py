@@ -43,7 +43,7 @@ from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
 from z3kit_recipes.zero3.weights.together import Together
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 FORMAT_VERSION = 1
 

@@ -52,7 +52,7 @@ from z3kit_recipes.zero3.weights.deepspeed_files import (
 from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 __all__ = [
     "HYPERPARAMETERS",

@@ -15,7 +15,7 @@ from z3kit.shard import fill_partition
 from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 
 def full_state_dict(engine: Zero3Engine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:

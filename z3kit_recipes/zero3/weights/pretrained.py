@@ -42,7 +42,7 @@ from z3kit_recipes.zero3.weights.safetensors_io import (
 )
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 #: Hugging Face's default largest file
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

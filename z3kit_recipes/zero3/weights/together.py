@@ -25,7 +25,7 @@ from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.weights.target import SaveRefused
 
 if TYPE_CHECKING:
-    from z3kit_recipes.zero3.engine import Zero3Engine
+    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 T = TypeVar("T")
 
