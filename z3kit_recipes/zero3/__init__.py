@@ -9,7 +9,7 @@
 """
 
 from z3kit_recipes.zero3.config.config import Zero3Config
-from z3kit_recipes.zero3.runtime.core import Zero3Engine
+from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.initialize import initialize
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats
 

@@ -14,18 +14,16 @@ draws runs on a forked RNG and leaves the streams as they were.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from z3kit.hooks import map_tensors
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
+from z3kit_recipes.zero3.runtime.core import EngineCore
 
 
-def generate(engine: Zero3Engine, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int | None) -> Any:
+def generate(engine: EngineCore, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int | None) -> Any:
     """See the module docstring (collective)."""
     engine.check_idle("generate")
     engine.watch.check("generate")

@@ -34,20 +34,33 @@ Note: rounds and shadows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 from z3kit.collectives import all_gather
 from z3kit.hooks import iter_tensors
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
+from z3kit_recipes.zero3.runtime.core import EngineCore
+from z3kit_recipes.zero3.runtime.root_hooks import Arguments
 
 EVAL, TRAIN = 0, 1
 _KIND = {EVAL: "an eval (or no_grad) forward", TRAIN: "a training forward"}
-#: a forward's arguments: (args, kwargs)
-Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def joined(engine: EngineCore) -> Iterator[None]:
+    """``engine.join()``: the block's rounds, and its shadowing at the end (see the Note)."""
+    forwards = engine.forwards
+    if forwards.join is not None:
+        raise RuntimeError("engine.join() blocks do not nest")
+    join = forwards.join = Join(engine, forwards.last)
+    try:
+        with engine.parts.meeting.lockstep():  # the rounds keep the ranks' forwards together
+            yield
+            join.shadow()
+    finally:
+        forwards.join = None
 
 
 class JoinRefused(RuntimeError):
@@ -57,7 +70,7 @@ class JoinRefused(RuntimeError):
 class Join:
     """The rounds of one ``engine.join()`` block (see the Note)."""
 
-    def __init__(self, engine: Zero3Engine, last: dict[bool, Arguments]) -> None:
+    def __init__(self, engine: EngineCore, last: dict[bool, Arguments]) -> None:
         self.engine = engine
         #: this rank's last forward of each kind (training or not), kept by the engine: what a shadow repeats
         self._last = last

@@ -1,44 +1,27 @@
-"""Zero3Engine: the stock ZeRO-3 runtime, one part per stage of the data flow.
+"""``EngineCore``: forward, backward and step over the assembled parts.
 
-    initialize  (zero3.initialize) arguments checked; (zero3.runtime.build) the parts
-                made: full parameter -> ShardLayout (1/N shards, fp32 masters)
-    forward     ParamCoordinator (zero3.training.params): pre-forward fetch (trace,
-                agreement, prefetch through the Gatherer, zero3.training.gathers)
-                -> compute -> post-forward release (ReleasePolicy)
-    backward    BackwardPass (zero3.training.backward): pre-backward fetch -> compute
-                -> grad-ready hook -> GradReducer (zero3.training.grads: FlatBucket ->
-                reduce -> GradPartitionBuffer) -> post-backward release;
-                end-of-backward epilogue (ranks compared, everything freed)
-    step        OptimizerStep (zero3.training.optim_step): clip -> optimizer on the
-                master shards -> write back to the shards
-    stats       StepStats (zero3.runtime.stats) -> Zero3Stats
-
-Every gather and reduction runs on a stream pair and is completed by its one
-owner (the Gatherer, the GradReducer); see ``z3kit.streams``.
+This is the engine without its features: what ``zero3.runtime.build`` made,
+run. The features (weights in and out, ``engine.join()``,
+``engine.generate``) are given an ``EngineCore`` and use its public surface;
+the public ``Zero3Engine`` (``zero3.engine``) is this core with their
+methods added, and the map of the data flow is its module docstring.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
-from z3kit_recipes.zero3.weights import full_values
 from z3kit_recipes.zero3.runtime.build import EngineParts
-from z3kit_recipes.zero3.lockstep.join import Join
-from z3kit_recipes.zero3.training.phase import Phase
-from z3kit_recipes.zero3.weights.pretrained import DEFAULT_MAX_SHARD_BYTES
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
+from z3kit_recipes.zero3.training.phase import Phase
 from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 
-class Zero3Engine:
-    """A model trained with ZeRO-3 sharding. Build it with ``zero3.initialize``."""
+class EngineCore:
+    """Forward, backward and step of a model sharded by ``zero3.initialize`` (see the module docstring)."""
 
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
@@ -150,50 +133,7 @@ class Zero3Engine:
         if self.reducer is not None:
             self.reducer.window.end()
 
-    @contextlib.contextmanager
-    def join(self) -> Iterator[None]:
-        """Ranks with different numbers of batches (eval, or the last training
-        ones), in the manner of ``torch.distributed.algorithms.Join``: wrap
-        each rank's loop; a rank whose loop ends repeats its last forward of
-        the kind the others run until every loop has ended (see ``zero3.lockstep.join``)."""
-        if self.forwards.join is not None:
-            raise RuntimeError("engine.join() blocks do not nest")
-        join = self.forwards.join = Join(self, self.forwards.last)
-        try:
-            with self.parts.meeting.lockstep():  # the rounds keep the ranks' forwards together
-                yield
-                join.shadow()
-        finally:
-            self.forwards.join = None
-
-    # -- full parameters on demand ----------------------------------------------------------
-    @contextlib.contextmanager
-    def gathered_parameters(
-        self, module: nn.Module | None = None, modifier_rank: int | None = None
-    ) -> Iterator[list[nn.Parameter]]:
-        """Full parameters of ``module`` (default: the whole model) inside the block.
-
-        With ``modifier_rank``, changes that rank makes to them are
-        broadcast on exit and written into every rank's shards (and fp32
-        masters); without it, changes are discarded.
-        """
-        target = self.module if module is None else module
-        if not any(target is m for m in self.module.modules()):
-            raise ValueError("gathered_parameters needs a submodule of the engine's model")
-        if modifier_rank is not None and not 0 <= modifier_rank < self.world:
-            raise ValueError(f"modifier_rank must be in [0, {self.world}), got {modifier_rank}")
-        self.check_idle("gathered_parameters")
-        pids = list(dict.fromkeys(self.coordinator.index[id(p)] for p in target.parameters()))
-        # pinned for the whole block: whatever runs inside it (a forward on one
-        # rank only, say) finds them gathered and needs no collective for them
-        self.coordinator.pin(pids)
-        try:
-            yield [self.shards[p].param for p in pids]
-            if modifier_rank is not None:
-                full_values.adopt_full_values(self, pids, modifier_rank)
-        finally:
-            self.coordinator.unpin(pids)
-
+    # -- between steps -------------------------------------------------------------------------
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` inside a forward or backward."""
         self.forwards.settle()
@@ -230,67 +170,6 @@ class Zero3Engine:
         self.coordinator.gatherer.wait_inflight()
         self.parts.gather_streams.synchronize()
         self.parts.reduce_streams.synchronize()
-
-    # -- weights in and out (zero3.weights.full_values, zero3.weights.checkpoint, zero3.weights.pretrained) -----------------
-    def train(self, mode: bool = True) -> Zero3Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Zero3Engine:
-        return self.train(False)
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full parameter values and persistent buffers by name, on CPU (collective; see ``zero3.weights.full_values``)."""
-        return full_values.full_state_dict(self, rank0_only=rank0_only)
-
-    def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
-        """Write the training state under ``path``, each rank its own part
-        (collective; see ``zero3.weights.checkpoint``). ``client_state`` is yours
-        (a data position, a scheduler's state), returned by ``load_checkpoint``."""
-        from z3kit_recipes.zero3.weights.checkpoint import save_checkpoint
-
-        save_checkpoint(self, path, client_state)
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
-        from z3kit_recipes.zero3.weights.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, path)
-
-    def load_deepspeed_checkpoint(
-        self, path: str | os.PathLike[str], *, tag: str | None = None, load_optimizer_hyperparameters: bool = False
-    ) -> dict[str, Any]:
-        """Load a DeepSpeed ZeRO-3 ``save_checkpoint`` directory, saved at any
-        world size (collective; see ``zero3.weights.deepspeed_import``); returns its client state."""
-        from z3kit_recipes.zero3.weights.deepspeed_import import load_deepspeed_checkpoint
-
-        return load_deepspeed_checkpoint(
-            self, path, tag=tag, load_optimizer_hyperparameters=load_optimizer_hyperparameters
-        )
-
-    def load_pretrained(self, path: str | os.PathLike[str]) -> None:
-        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.weights.pretrained``)."""
-        from z3kit_recipes.zero3.weights.pretrained import load_pretrained
-
-        load_pretrained(self, path)
-
-    def save_pretrained(
-        self, path: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Write the full model in the Hugging Face layout, one parameter at a time (collective)."""
-        from z3kit_recipes.zero3.weights.pretrained import save_pretrained
-
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
-
-    def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
-        """The model's Hugging Face ``generate`` on every rank in lockstep
-        (collective: call it on every rank). ``rank=r``: rank r's arguments
-        and sampling seed are used everywhere, and only rank r gets the
-        result (the others get None); see ``zero3.lockstep.generate``."""
-        from z3kit_recipes.zero3.lockstep.generate import generate
-
-        return generate(self, args, kwargs, rank)
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> Zero3Stats:

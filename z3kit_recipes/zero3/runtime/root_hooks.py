@@ -12,7 +12,7 @@ Note: what the root's hooks do.
     buffers; then it enters the ``ForwardContext`` (``ParamUseMode``: a
     parent that uses a child's weight finds it gathered). The post-forward
     hook leaves that context and, after an eval forward, frees what it
-    gathered. A forward that raises is aborted (``Zero3Engine._abort``:
+    gathered. A forward that raises is aborted (``EngineCore._abort``:
     the other ranks learn of it) once, by whichever part sees it first.
 
 Note: the order among the root's hooks.
@@ -70,7 +70,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -79,11 +79,20 @@ from torch._dynamo.eval_frame import OptimizedModule
 from z3kit.hooks import in_backward, map_tensors, outside_graphs
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.training.hook_plan import is_compiled
-from z3kit_recipes.zero3.lockstep.join import Arguments, Join
 from z3kit_recipes.zero3.training.phase import Phase
 
 #: the code of ``nn.Module.__call__``: the frame of a call of the root runs it
 _CALL_CODE = nn.Module.__call__.__code__
+#: a forward's arguments: (args, kwargs)
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class JoinRounds(Protocol):
+    """An ``engine.join()`` block under way, as the root's pre-forward sees it (``zero3.lockstep.join.Join``)."""
+
+    def before_forward(self, training: bool) -> None:
+        """This rank's own forward starts (before any collective of it): its round."""
+        ...
 
 
 class ForwardLost(RuntimeError):
@@ -107,7 +116,7 @@ class RootForward:
         self.parts = parts
         self._abort = abort
         #: the ``engine.join()`` block under way, if any (see ``zero3.lockstep.join``)
-        self.join: Join | None = None
+        self.join: JoinRounds | None = None
         #: this rank's last forward of each kind (training or not): its arguments, repeated in ``engine.join()``
         self.last: dict[bool, Arguments] = {}
         #: a forward started and not yet finished

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -38,12 +38,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, commit, read_manifest, staged, verify
 from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
 from z3kit_recipes.zero3.weights.together import Together
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 FORMAT_VERSION = 1
 
@@ -66,7 +64,7 @@ class _Entry:
     master: torch.nn.Parameter | None
 
 
-def _entries(engine: Zero3Engine) -> list[_Entry]:
+def _entries(engine: EngineCore) -> list[_Entry]:
     masters = engine.layout.master_of()
     out = []
     for pid, shard in enumerate(engine.shards):
@@ -75,11 +73,11 @@ def _entries(engine: Zero3Engine) -> list[_Entry]:
     return out
 
 
-def _mesh(engine: Zero3Engine) -> DeviceMesh:
+def _mesh(engine: EngineCore) -> DeviceMesh:
     return DeviceMesh.from_group(engine.group, engine.device.type)
 
 
-def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_state: dict[str, Any] | None) -> None:
+def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_state: dict[str, Any] | None) -> None:
     """Write the engine's training state under ``path`` (collective; see the module docstring)."""
     engine.check_idle("save_checkpoint")
     engine.watch.check("save_checkpoint")
@@ -129,7 +127,7 @@ def save_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str], client_st
         commit(staging, metadata, together)
 
 
-def load_checkpoint(engine: Zero3Engine, path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[str, Any]:
     """Restore what ``save_checkpoint`` wrote, at this engine's world size
     (collective); returns the saved ``client_state``."""
     engine.check_idle("load_checkpoint")
@@ -220,7 +218,7 @@ def _check_format(root: Path, manifest: dict[str, Any]) -> None:
                          + f"; this z3kit reads version {FORMAT_VERSION}")
 
 
-def _check_same_model(manifest: dict[str, Any], entries: list[_Entry], engine: Zero3Engine) -> None:
+def _check_same_model(manifest: dict[str, Any], entries: list[_Entry], engine: EngineCore) -> None:
     """Name the first parameter where the checkpoint and the model differ."""
     saved = {p["name"]: p for p in manifest["params"]}
     for e in entries:
@@ -253,7 +251,7 @@ def _restore_random_state(state: dict[str, torch.Tensor], device: torch.device) 
         torch.get_device_module(device.type).set_rng_state(state[device.type], device)
 
 
-def _hf_config(engine: Zero3Engine) -> dict[str, Any] | None:
+def _hf_config(engine: EngineCore) -> dict[str, Any] | None:
     """A Hugging Face model's config, so that an offline export can write config.json."""
     config = getattr(engine.module, "config", None)
     to_dict = getattr(config, "to_dict", None)

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from z3kit.collectives import failed_ranks
+from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.deepspeed_files import (
     DeepSpeedCheckpoint,
     DsParam,
@@ -50,9 +51,6 @@ from z3kit_recipes.zero3.weights.deepspeed_files import (
     read_deepspeed_checkpoint,
 )
 from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 __all__ = [
     "HYPERPARAMETERS",
@@ -90,7 +88,7 @@ def _listed(kind: str, names: list[str]) -> str:
     return f"{kind} ({len(names)}): {shown}"
 
 
-def _match(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint) -> list[tuple[int, DsParam]]:
+def _match(engine: EngineCore, ckpt: DeepSpeedCheckpoint) -> list[tuple[int, DsParam]]:
     """Each engine parameter's DeepSpeed entry; every difference, by name, in one ValueError."""
     aliases = names_by_param(engine.module)
     trainable = set(engine.trainable)
@@ -128,7 +126,7 @@ def _match(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint) -> list[tuple[int, Ds
     return chosen
 
 
-def _plan(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint, files: RankFiles) -> list[_Load]:
+def _plan(engine: EngineCore, ckpt: DeepSpeedCheckpoint, files: RankFiles) -> list[_Load]:
     """What this rank reads for each parameter; opens and checks those files."""
     loads = []
     for pid, p in _match(engine, ckpt):
@@ -148,7 +146,7 @@ def _plan(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint, files: RankFiles) -> l
     return loads
 
 
-def _hyperparameters(engine: Zero3Engine, ckpt: DeepSpeedCheckpoint, files: RankFiles,
+def _hyperparameters(engine: EngineCore, ckpt: DeepSpeedCheckpoint, files: RankFiles,
                      loads: list[_Load]) -> list[dict[str, Any]]:
     """For each of the engine optimizer's param groups, DeepSpeed's
     hyperparameters of its parameters (they must agree within the group)."""
@@ -242,7 +240,7 @@ def _values_source(files: RankFiles, ds: DsParam) -> Callable[[int], torch.Tenso
 
 
 def load_deepspeed_checkpoint(
-    engine: Zero3Engine,
+    engine: EngineCore,
     path: str | os.PathLike[str],
     *,
     tag: str | None = None,

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from z3kit.validate import check_int
+from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import EXPORT_KIND, commit, staged
 from z3kit_recipes.zero3.weights.target import CHECKPOINT_KIND, manifest_kind
 from z3kit_recipes.zero3.weights.together import Together
@@ -40,9 +40,6 @@ from z3kit_recipes.zero3.weights.safetensors_io import (
     read_whole,
     write_index,
 )
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 #: Hugging Face's default largest file
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -68,7 +65,7 @@ def _listed(kind: str, names: list[str]) -> str:
     return f"{kind} ({len(names)}): {shown}"
 
 
-def load_pretrained(engine: Zero3Engine, path: str | os.PathLike[str]) -> None:
+def load_pretrained(engine: EngineCore, path: str | os.PathLike[str]) -> None:
     """Load a Hugging Face checkpoint into the engine's shards (see the module docstring)."""
     engine.check_idle("load_pretrained")
     if manifest_kind(Path(path)) == CHECKPOINT_KIND:
@@ -112,7 +109,7 @@ def load_pretrained(engine: Zero3Engine, path: str | os.PathLike[str]) -> None:
 
 
 def save_pretrained(
-    engine: Zero3Engine,
+    engine: EngineCore,
     path: str | os.PathLike[str],
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -163,7 +160,7 @@ def save_pretrained(
         commit(staging, {"world": engine.world}, together)
 
 
-def _write_extras(engine: Zero3Engine, staging: Path, files: list[list[Planned]]) -> None:
+def _write_extras(engine: EngineCore, staging: Path, files: list[list[Planned]]) -> None:
     """The index of a model in several files, and the model's config when it has one."""
     if len(files) > 1:
         write_index(staging, files)

@@ -15,17 +15,15 @@ dies gives ``RankFailed`` on the others within seconds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch.distributed as dist
 
 from z3kit.collectives import ProcessGroup
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.target import SaveRefused
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.runtime.core import Zero3Engine
 
 T = TypeVar("T")
 
@@ -50,7 +48,7 @@ class Together:
     call: Callable[[Callable[[], Any]], Any] = _plain
 
     @classmethod
-    def of(cls, engine: Zero3Engine) -> Together:
+    def of(cls, engine: EngineCore) -> Together:
         return cls(engine.group, engine.watch.call)
 
     @property

@@ -1,0 +1,125 @@
+"""Zero3Engine: the stock ZeRO-3 runtime, one part per stage of the data flow.
+
+    initialize  (zero3.initialize) arguments checked; (zero3.runtime.build) the parts
+                made: full parameter -> ShardLayout (1/N shards, fp32 masters)
+    forward     ParamCoordinator (zero3.training.params): pre-forward fetch (trace,
+                agreement, prefetch through the Gatherer, zero3.training.gathers)
+                -> compute -> post-forward release (ReleasePolicy)
+    backward    BackwardPass (zero3.training.backward): pre-backward fetch -> compute
+                -> grad-ready hook -> GradReducer (zero3.training.grads: FlatBucket ->
+                reduce -> GradPartitionBuffer) -> post-backward release;
+                end-of-backward epilogue (ranks compared, everything freed)
+    step        OptimizerStep (zero3.training.optim_step): clip -> optimizer on the
+                master shards -> write back to the shards
+    stats       StepStats (zero3.runtime.step_stats) -> Zero3Stats (zero3.runtime.stats)
+
+Every gather and reduction runs on a stream pair and is completed by its one
+owner (the Gatherer, the GradReducer); see ``z3kit.streams``.
+
+Note: the core and its features.
+    ``EngineCore`` (``zero3.runtime.core``) runs forward, backward and step
+    over the parts. The features (``zero3.weights``: checkpoints, Hugging
+    Face weights, DeepSpeed import, full values; ``zero3.lockstep``:
+    ``join``, ``generate``) are functions given that core; none of them
+    imports this module. ``Zero3Engine`` is the core with one method per
+    feature, each handing itself to its feature, so imports run one way:
+    features -> core, and this facade -> both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from z3kit_recipes.zero3.lockstep import generate as lockstep_generate
+from z3kit_recipes.zero3.lockstep import join as lockstep_join
+from z3kit_recipes.zero3.runtime.core import EngineCore
+from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained
+
+
+class Zero3Engine(EngineCore):
+    """A model trained with ZeRO-3 sharding. Build it with ``zero3.initialize``.
+
+    Forward, backward and step are the ``EngineCore``'s; the methods here are
+    the features' (see the Note on the core and its features).
+    """
+
+    def train(self, mode: bool = True) -> Zero3Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Zero3Engine:
+        return self.train(False)
+
+    # -- ranks with different numbers of batches -------------------------------------------------
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Ranks with different numbers of batches (eval, or the last training
+        ones), in the manner of ``torch.distributed.algorithms.Join``: wrap
+        each rank's loop; a rank whose loop ends repeats its last forward of
+        the kind the others run until every loop has ended (see ``zero3.lockstep.join``)."""
+        with lockstep_join.joined(self):
+            yield
+
+    # -- full parameters on demand --------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, modifier_rank: int | None = None
+    ) -> Iterator[list[nn.Parameter]]:
+        """Full parameters of ``module`` (default: the whole model) inside the block.
+
+        With ``modifier_rank``, changes that rank makes to them are
+        broadcast on exit and written into every rank's shards (and fp32
+        masters); without it, changes are discarded (see ``zero3.weights.full_values``).
+        """
+        with full_values.gathered(self, module, modifier_rank) as params:
+            yield params
+
+    # -- weights in and out (zero3.weights) ------------------------------------------------------
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full parameter values and persistent buffers by name, on CPU
+        (collective; see ``zero3.weights.full_values``)."""
+        return full_values.full_state_dict(self, rank0_only=rank0_only)
+
+    def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
+        """Write the training state under ``path``, each rank its own part
+        (collective; see ``zero3.weights.checkpoint``). ``client_state`` is yours
+        (a data position, a scheduler's state), returned by ``load_checkpoint``."""
+        checkpoint.save_checkpoint(self, path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
+        return checkpoint.load_checkpoint(self, path)
+
+    def load_deepspeed_checkpoint(
+        self, path: str | os.PathLike[str], *, tag: str | None = None, load_optimizer_hyperparameters: bool = False
+    ) -> dict[str, Any]:
+        """Load a DeepSpeed ZeRO-3 ``save_checkpoint`` directory, saved at any
+        world size (collective; see ``zero3.weights.deepspeed_import``); returns its client state."""
+        return deepspeed_import.load_deepspeed_checkpoint(
+            self, path, tag=tag, load_optimizer_hyperparameters=load_optimizer_hyperparameters
+        )
+
+    def load_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.weights.pretrained``)."""
+        pretrained.load_pretrained(self, path)
+
+    def save_pretrained(
+        self, path: str | os.PathLike[str], *, max_shard_bytes: int = pretrained.DEFAULT_MAX_SHARD_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Write the full model in the Hugging Face layout, one parameter at a time (collective)."""
+        pretrained.save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+    def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
+        """The model's Hugging Face ``generate`` on every rank in lockstep
+        (collective: call it on every rank). ``rank=r``: rank r's arguments
+        and sampling seed are used everywhere, and only rank r gets the
+        result (the others get None); see ``zero3.lockstep.generate``."""
+        return lockstep_generate.generate(self, args, kwargs, rank)
+
