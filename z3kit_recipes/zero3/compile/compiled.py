@@ -65,7 +65,7 @@ import re
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -75,11 +75,9 @@ from torch.nn.modules import module as module_registry
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.trace import TraceState
 from z3kit_recipes.zero3.training.hook_plan import compiled_units, fetch_groups, is_compiled
+from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.phase import Phase, TrainingState
-
-if TYPE_CHECKING:
-    from z3kit_recipes.zero3.training.param_use import ParamUseMode
 
 
 @attrs.frozen

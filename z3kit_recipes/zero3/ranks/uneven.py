@@ -32,12 +32,8 @@ import torch
 from torch import nn
 
 from z3kit.hooks import in_backward, outside_graphs
+from z3kit_recipes.zero3.ranks.position import EVAL_BASE, StepPosition
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
-
-#: eval forward #n of a micro-step sits at position EVAL_BASE + n: after a
-#: rank that is between steps (IDLE_POSITION), before any training fetch (>= 0)
-EVAL_BASE = -(1 << 30)
-IDLE_POSITION = -(1 << 40)
 
 _ADVICE = ("every rank must run the same forwards, since each gathers parameters collectively: for a sample on one "
            "rank call engine.generate(..., rank=0) on every rank; for ranks with different numbers of batches run "
@@ -52,18 +48,19 @@ class EvalMeeting:
         self,
         root: nn.Module,
         watch: RankWatch,
+        position: StepPosition,
         *,
         micro_step: Callable[[], int],
         gathers_needed: Callable[[], bool],
         in_training_step: Callable[[], bool],
     ) -> None:
         self.watch, self.micro_step = watch, micro_step
+        #: where this rank is: the eval forward under way is written there (None: none is)
+        self.position = position
         self.gathers_needed, self.in_training_step = gathers_needed, in_training_step
         self._counted_at = -1  # the micro-step whose eval forwards ``_count`` counts
         self._count = 0
         self._lockstep = 0
-        #: the position of the eval forward under way (None: none is)
-        self.current: int | None = None
 
         @outside_graphs
         def before(module: nn.Module, args: Any) -> None:
@@ -71,13 +68,13 @@ class EvalMeeting:
 
         @outside_graphs
         def after(module: nn.Module, args: Any, output: Any) -> None:
-            self.current = None
+            self.position.eval_forward = None
 
         # prepended: before the root's own fetch, which may gather
         self._handles = [root.register_forward_pre_hook(before, prepend=True), root.register_forward_hook(after)]
 
     def _before_forward(self, root: nn.Module) -> None:
-        self.current = None
+        self.position.eval_forward = None
         if (torch.is_grad_enabled() and root.training) or in_backward() or self.in_training_step():
             return  # a training forward, a checkpoint recomputation, or inside a step: the step's own checks hold
         if self._lockstep or self.watch.board is None or not self.gathers_needed():
@@ -87,7 +84,7 @@ class EvalMeeting:
             self._counted_at, self._count = micro, 0
         position = EVAL_BASE + self._count
         self._count += 1
-        self.current = position
+        self.position.eval_forward = position
         self.watch.left_trace((micro, position), f"ran an eval or no_grad forward (#{self._count} since its last "
                                                  f"backward) that the other ranks did not; {_ADVICE}")
 

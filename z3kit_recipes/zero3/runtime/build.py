@@ -20,19 +20,24 @@ from torch import nn
 
 from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
 from z3kit.flat_bucket import ReduceMode
-from z3kit.hooks import HookActions, ModuleHooks
-from z3kit.leaf import LeafModuleHook
+from z3kit.hooks import ModuleHooks
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder
-from z3kit_recipes.zero3.ranks.agreement import StepRecord
-from z3kit_recipes.zero3.training.backward import BackwardPass
-from z3kit_recipes.zero3.config.budget import MemoryPlan
 from z3kit_recipes.zero3.compile.compiled import ForwardContext
+from z3kit_recipes.zero3.config.budget import MemoryPlan
 from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.config.timeouts import collective_timeout
+from z3kit_recipes.zero3.ranks.agreement import StepRecord
+from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.ranks.uneven import EvalMeeting
+from z3kit_recipes.zero3.ranks.watcher import start_watcher
+from z3kit_recipes.zero3.runtime.step_stats import StepStats
+from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
@@ -43,15 +48,9 @@ from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.phase import Phase, TrainingState
-from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
-from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
-from z3kit_recipes.zero3.config.timeouts import collective_timeout
-from z3kit_recipes.zero3.ranks.watcher import start_watcher
 from z3kit_recipes.zero3.training.rounds import FetchRounds
-from z3kit_recipes.zero3.runtime.stats import StepStats
 from z3kit_recipes.zero3.training.timeline import Timeline
 from z3kit_recipes.zero3.training.trainable import OptimizerFactory, TrainableWatch
-from z3kit_recipes.zero3.ranks.uneven import IDLE_POSITION, EvalMeeting
 
 StreamPairFactory = Callable[[torch.device], StreamPairLike]
 
@@ -125,12 +124,12 @@ def assemble(
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
     log, memory, state = CollectiveLog(), MemoryLedger(), TrainingState()
-    holder: dict[str, Any] = {}  # the coordinator, for the watch's messages (made below)
     watch = RankWatch(
         group,
         timeout_s=collective_timeout(config.collective_timeout_s, group),
         describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
-        position=lambda: (state.micro_step, _position(state, holder["coordinator"], holder["meeting"])),
+        # where this rank is: written by the coordinator and the eval meeting made below (``zero3.ranks.position``)
+        position=state.rank_position,
     )
     start_watcher(watch)
 
@@ -167,40 +166,25 @@ def assemble(
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
         gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,
-        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds,
+        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds, position=state.position,
     )
-    holder["coordinator"] = coordinator
-    holder["meeting"] = EvalMeeting(
-        module, watch, micro_step=lambda: state.micro_step,
+    meeting = EvalMeeting(
+        module, watch, state.position, micro_step=lambda: state.micro_step,
         # a gather in flight (persistent ones refreshed after a step) was issued by every rank alike
         gathers_needed=lambda: any(s.status is ParamStatus.NOT_AVAILABLE for s in layout.shards),
         in_training_step=lambda: coordinator.tracing or state.phase is not Phase.IDLE,
     )
 
-    # the gradient path
+    # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
     reduce_streams = stream_pairs(device)
     reducer = _build_reducer(layout, config, group, device, memory_plan, watch, reduce_streams, log, memory)
-    actions = HookActions(
-        pre_forward=coordinator.fetch, post_forward=coordinator.forward_exit,
-        pre_backward=lambda m: backward.pre_backward(m), post_backward=coordinator.release,
-    )
-    hooks = ModuleHooks(actions)
-    leaf_params: set[int] = set()
-    leaf_units = []
-    for m in hooked:
-        if m in leaf_roots:
-            unit = LeafModuleHook(m, actions, lambda grads: backward.reduce_leaf(grads))
-            leaf_units.append(unit)
-            leaf_params.update(coordinator.index[id(p)] for p in unit.params)
-            hooks.attach(m, unit.actions)
-        else:
-            hooks.attach(m)
     names = [name for name, _ in named]
     backward = BackwardPass(
-        layout.shards, names, layout.trainable, frozenset(leaf_params), coordinator=coordinator, reducer=reducer,
-        hooks=hooks, record=record, watch=watch, agreement=agreement, training_state=state,
+        layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
+        record=record, watch=watch, agreement=agreement, training_state=state,
         defer_reductions=config.divergent_graphs,
     )
+    hooks = backward.hooks
     optimizer_step = None if optimizer is None or reducer is None else OptimizerStep(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,
         masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
@@ -215,8 +199,7 @@ def assemble(
         log=log, memory=memory, memory_plan=memory_plan, training_state=state, watch=watch, layout=layout,
         optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
-        coordinator=coordinator, reducer=reducer, hooks=hooks,
-        meeting=holder["meeting"],
+        coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
         trainable_watch=TrainableWatch(
@@ -224,13 +207,6 @@ def assemble(
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,
         ),
     )
-
-
-def _position(state: TrainingState, coordinator: ParamCoordinator, meeting: EvalMeeting) -> int:
-    """Where this rank is in its micro-step, for the notice board (``RankWatch.position``)."""
-    if meeting.current is not None:
-        return meeting.current
-    return IDLE_POSITION if state.phase is Phase.IDLE else coordinator.position()
 
 
 def _build_optimizer(

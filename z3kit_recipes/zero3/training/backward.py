@@ -6,18 +6,28 @@ the end-of-backward callback from inside the first backward hook, and at the
 end of backward fetches the schedule's remaining entries, finishes the
 reductions, has the ranks compare what they did (``zero3.ranks.agreement``) and
 frees every gathered parameter.
+
+Note: the module hooks are made here.
+    The module hooks (``z3kit.hooks.ModuleHooks``) fire the coordinator's
+    fetch and release and this pass's pre-backward, and this pass ends each
+    backward through them (``finish_backward``, ``reset``). So the pass
+    makes them, with its own bound methods, and attaches every hooked
+    module (a leaf unit's root with the unit's actions, whose reduction is
+    this pass's too): each object is made from objects that exist.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import torch
 
-from z3kit.hooks import ModuleHooks, in_backward
-from z3kit.leaf import ParamGrads
+from torch import nn
+
+from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
 from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
@@ -37,23 +47,38 @@ class BackwardPass:
         shards: Sequence[ParamShard],
         names: Sequence[str],
         trainable: Sequence[int],
-        leaf_params: frozenset[int],
+        leaf_roots: Set[nn.Module],
         *,
         coordinator: ParamCoordinator,
         reducer: GradReducer | None,
-        hooks: ModuleHooks,
         record: StepRecord,
         watch: RankWatch,
         agreement: FetchAgreement,
         training_state: TrainingState,
         defer_reductions: bool,
     ) -> None:
-        self.shards, self.names, self.trainable, self.leaf_params = shards, names, trainable, leaf_params
-        self.coordinator, self.reducer, self.hooks, self.record = coordinator, reducer, hooks, record
+        self.shards, self.names, self.trainable = shards, names, trainable
+        self.coordinator, self.reducer, self.record = coordinator, reducer, record
         self.watch, self.agreement, self.training_state = watch, agreement, training_state
         self._queued = False
+        #: what the module hooks do (see the Note): a leaf unit's root gets the unit's version of them
+        self.actions = HookActions(
+            pre_forward=coordinator.fetch, post_forward=coordinator.forward_exit,
+            pre_backward=self.pre_backward, post_backward=coordinator.release,
+        )
+        self.hooks = ModuleHooks(self.actions)
+        leaf_params: set[int] = set()
+        for m in coordinator.module_params:
+            if m in leaf_roots:
+                unit = LeafModuleHook(m, self.actions, self.reduce_leaf)
+                leaf_params.update(coordinator.index[id(p)] for p in unit.params)
+                self.hooks.attach(m, unit.actions)
+            else:
+                self.hooks.attach(m)
+        #: parameters of leaf units, whose gradients the unit hands over
+        self.leaf_params = frozenset(leaf_params)
         #: refuses a second backward over one forward (see ``zero3.training.backward_once``)
-        self.once = OneBackwardPerForward(watch, hooks, record, coordinator.root)
+        self.once = OneBackwardPerForward(watch, self.hooks, record, coordinator.root)
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
         #: the step checks in flight and what they taught (``zero3.training.step_checks``)

@@ -34,6 +34,7 @@ from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus
 from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.ranks.agreement import RankAgreement, StepRecord
+from z3kit_recipes.zero3.ranks.position import StepPosition
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.schedule import BackwardSchedule, ForwardLog
@@ -55,6 +56,7 @@ class ParamCoordinator:
         timeline: Timeline,
         check_every_fetch: bool = False,
         rounds: FetchRounds | None = None,
+        position: StepPosition | None = None,
     ) -> None:
         self.gatherer = gatherer
         self.shards = gatherer.shards
@@ -67,6 +69,8 @@ class ParamCoordinator:
         self.check_every_fetch = check_every_fetch
         #: rank-divergent graphs: every gather is a round (``zero3.training.rounds``); no agreement, trace checks or prefetch
         self.rounds = rounds
+        #: where this rank is in its step, for the notice board: the forward fetches, and whether backward began
+        self.position = StepPosition() if position is None else position
         self.persistent = [policy.is_persistent(n) for n in self.numels]
         self.regroup(module_params)
         self._tracing = False
@@ -81,6 +85,7 @@ class ParamCoordinator:
         #: this step's traced forward fetches, and the backward schedule made from them
         self._forward = ForwardLog()
         self._schedule: BackwardSchedule | None = None
+        self.position.forward_fetches, self.position.backward_began = 0, False
         #: whether this step's forward fetches were agreed one by one (no trace vouched for them)
         self._agreed_forward = False
         self._fetches_in_step = 0
@@ -136,6 +141,7 @@ class ParamCoordinator:
     def _close_step(self) -> None:
         self._fetch_index.clear()
         self._schedule = None
+        self.position.backward_began = False
         self._tracing = False
 
     @contextlib.contextmanager
@@ -155,6 +161,7 @@ class ParamCoordinator:
         forward = self._tracing and not in_backward()
         if forward and self.rounds is None:
             index = self._forward.fetched(module)
+            self.position.forward_fetches = len(self._forward)
             if self.trace.state is TraceState.COMPLETE and not self.check_every_fetch:
                 if not self.trace.expects(self.module_keys[module], *self._fetch_key[module]):
                     expected = self.trace.next_module()
@@ -190,6 +197,7 @@ class ParamCoordinator:
             if self._agreed_forward and self.rounds is None:  # the forward was agreed fetch by fetch: agree that it is over
                 self.ranks.agree(len(self._forward), None)
             self._schedule = self._forward.schedule()
+            self.position.backward_began = True
         entries = self._schedule.advance_to(module)
         if entries is None:  # passed over as a ghost already (still held), or not scheduled at all
             if self.check_every_fetch:
@@ -334,10 +342,6 @@ class ParamCoordinator:
     def root(self) -> nn.Module:
         """The model: the first hooked module."""
         return next(iter(self.module_params))
-
-    def position(self) -> int:
-        """Forward fetches done in this step; a large number once backward began."""
-        return len(self._forward) if self._schedule is None else 1 << 40
 
     # -- parameters used outside their module ----------------------------------------------
     def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:

@@ -6,6 +6,8 @@ import enum
 
 import attrs
 
+from z3kit_recipes.zero3.ranks.position import StepPosition
+
 
 class Phase(enum.Enum):
     """What the engine is doing between two public calls."""
@@ -34,7 +36,13 @@ class TrainingState:
     micro_step: int = 0
     #: ``micro_step`` at the last ``step()`` call
     micro_at_step_call: int = 0
+    #: where in its micro-step this rank is, as written by the parts that move it (``zero3.ranks.position``)
+    position: StepPosition = attrs.field(factory=StepPosition)
 
     @property
     def backward_since_step_call(self) -> bool:
         return self.micro_step > self.micro_at_step_call
+
+    def rank_position(self) -> tuple[int, int]:
+        """(micro-step, position within it): what the notice board compares (``RankWatch.position``)."""
+        return self.micro_step, self.position.index(idle=self.phase is Phase.IDLE)
