@@ -28,7 +28,7 @@ from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFact
 from z3kit_recipes.zero3.training.trainable import OptimizerFactory
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
-from z3kit_recipes.zero3.training.grads import MAX_FLIGHTS
+from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors

@@ -5,6 +5,8 @@ ready (from a grad-ready hook, or a leaf unit's callback), copies it into a
 ``FlatBucket``, reduces full buckets (sum, scaled to the data-parallel and
 micro-step mean), and copies or adds every rank-local partition into the
 window's partitions that the optimizer reads (``zero3.training.grad_window``).
+Issuing and landing the reductions is its ``ReductionFlights``'
+(``zero3.training.reductions``): what to reduce, and when, is decided here.
 
 Note: the same reductions on every rank.
     Which gradients share a bucket, and in which order the buckets are
@@ -53,38 +55,20 @@ Note: what exists when.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
-import attrs
 import torch
 
-from z3kit.collectives import CollectiveLog, Pending, ProcessGroup, all_reduce, reduce_scatter
-from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_reduce
+from z3kit.flat_bucket import FlatBucket, ReduceMode
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
-from z3kit.streams import CommTicket, StreamPairLike
+from z3kit.streams import StreamPairLike
+from z3kit_recipes.zero3.config.budget import transient_cap
 from z3kit_recipes.zero3.ranks.agreement import Waiter
 from z3kit_recipes.zero3.training.grad_window import GradWindow
 from z3kit_recipes.zero3.training.reduction_plan import ReductionPlan
-from z3kit_recipes.zero3.config.budget import transient_cap
-from z3kit_recipes.zero3.training.timeline import profiled
-
-#: reductions in flight at once before the oldest is waited for
-MAX_FLIGHTS = 2
-
-
-@attrs.define
-class _Flight:
-    """A reduction in flight: its handle, and what to land from it."""
-
-    pending: Pending | BucketFlush
-    #: an unbucketed reduction's communication (a bucket's is its flush's)
-    ticket: CommTicket | None
-    #: (pid, this rank's partition) for an unbucketed one; a bucket's come from its flush
-    parts: list[tuple[int, torch.Tensor]]
-    #: bytes to free from the ledger once landed
-    nbytes: int
+from z3kit_recipes.zero3.training.reductions import ReductionFlights
 
 
 class GradReducer:
@@ -127,18 +111,18 @@ class GradReducer:
         self._buckets: dict[int, FlatBucket] = {}
         self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
         self._next = 0  # plan index of the next reduction to issue
-        self._flights: list[_Flight] = []
-        #: reductions left in flight when the ranks stopped running together (kept alive, never waited on)
-        self._abandoned: list[_Flight] = []
-        #: seconds spent blocked on reductions
-        self.comm_wait_s = 0.0
+        #: the reductions issued and not landed yet (``zero3.training.reductions``)
+        self.flights = ReductionFlights(
+            shards, rank=self.rank, group=group, waiter=waiter, streams=streams, log=log, memory=memory, mode=mode,
+            scale=scale,
+        )
         self.window = GradWindow({}, [], device=self.device, memory=memory)  # made for ``trainable`` by replan
         self.replan(trainable)
 
     def replan(self, trainable: Sequence[int]) -> None:
         """Partition slots and the reduction plan for ``trainable`` (at
         initialize, and when parameters are unfrozen between windows)."""
-        if self.window.is_open or self._buckets or self._waiting or self._flights:
+        if self.window.is_open or self._buckets or self._waiting or not self.flights.idle:
             raise RuntimeError("the reduction plan changes only between accumulation windows")
         shards = self.shards
         #: partition slot of each trainable parameter id
@@ -155,6 +139,11 @@ class GradReducer:
         self.bucket_capacity = capacity - capacity % self.world if self._contiguous and capacity >= self.world else 0
         self.plan = ReductionPlan.make(list(reversed(trainable)), self._numels, self._padded, self.bucket_capacity)
         self.reliability_changed()
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds spent blocked on reductions."""
+        return self.flights.comm_wait_s
 
     def reliability_changed(self) -> None:
         """``reliable`` changed: which buckets may go before the end of backward."""
@@ -178,7 +167,7 @@ class GradReducer:
             return
         self.arrived.add(pid)
         self.handed.add(pid)
-        self._land(finished_only=True)
+        self.flights.land(self.window, finished_only=True)
         index = self.plan.bucket_of[pid]
         if self.plan.alone[index]:
             self._waiting[index] = grad
@@ -230,10 +219,8 @@ class GradReducer:
             grad = self.late.pop(pid, None)
             if grad is None:
                 grad = self._zeros(self._numels[pid])
-            if len(self._flights) >= MAX_FLIGHTS:
-                self._land(oldest_only=True)
-            self._flights.append(self._reduce_alone(pid, grad))
-        self._land()
+            self.flights.issue_alone(pid, grad, self.window)
+        self.flights.land(self.window)
         if self.late:  # the agreed list always holds this rank's own: a gradient must never be dropped
             raise RuntimeError(f"late gradients of parameters {sorted(self.late)} were not in the agreed list {list(pids)}")
 
@@ -269,67 +256,12 @@ class GradReducer:
             self._next += 1
 
     def _issue(self, index: int) -> None:
-        if len(self._flights) >= MAX_FLIGHTS:
-            self._land(oldest_only=True)
         if self.plan.alone[index]:
-            self._flights.append(self._reduce_alone(self.plan.buckets[index][0], self._waiting.pop(index)))
+            self.flights.issue_alone(self.plan.buckets[index][0], self._waiting.pop(index), self.window)
         else:
-            bucket = self._buckets.pop(index)
-            with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
-                flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
-            self._flights.append(_Flight(flush, None, [], bucket.nbytes))
+            self.flights.issue_bucket(self._buckets.pop(index), self.window)
         if not self.overlap:
-            self._land()  # issued asynchronously all the same, so that the wait is a watched one
-
-    def _reduce_alone(self, pid: int, grad: torch.Tensor) -> _Flight:
-        """One gradient, reduced in place when it needs no padding, else through a padded copy."""
-        shard = self.shards[pid]
-        held = tensor_bytes(grad)
-        if grad.numel() == shard.padded_numel and grad.is_contiguous():
-            padded = grad.view(-1)
-        else:
-            padded = grad.new_zeros(shard.padded_numel)
-            padded[: grad.numel()].copy_(grad.reshape(-1))
-            self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(padded))
-            self.memory.free(MemoryKind.GRAD_BUCKETS, held)
-            held = tensor_bytes(padded)
-        size = shard.shard_numel
-        scatter = self.mode is ReduceMode.REDUCE_SCATTER
-        # reduce-scatter writes a new output, allocated here on the compute stream that
-        # reads it; all-reduce writes the whole padded gradient, this rank's slice of it kept
-        out = padded.new_empty(size) if scatter else padded[self.rank * size : (self.rank + 1) * size]
-        label = f"{self.mode.value} of gradient #{pid}"
-        with self.streams.communicate(reads=[padded], writes=[out if scatter else padded], label=label) as ticket:
-            if scatter:
-                pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
-            else:
-                pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
-        return _Flight(pending, ticket, [(pid, out)], held)
-
-    def _land(self, *, finished_only: bool = False, oldest_only: bool = False) -> None:
-        """Land reductions in flight, in order: all, those already finished, or the oldest."""
-        while self._flights:
-            flight = self._flights[0]
-            if finished_only and not flight.pending.is_completed():
-                return
-            self._flights.pop(0)
-            start = time.perf_counter()
-            pending = flight.pending
-            # the one place a reduction turns into partitions: complete it on the
-            # stream pair (compute waits on its event), then accumulate
-            if isinstance(pending, BucketFlush):
-                parts = pending.wait(self.waiter)
-            else:
-                assert flight.ticket is not None
-                done = pending
-                self.streams.complete(flight.ticket, lambda: self.waiter(done.is_completed, done.wait))
-                parts = flight.parts
-            self.comm_wait_s += time.perf_counter() - start
-            for pid, part in parts:
-                self.window.accumulate(pid, part)
-            self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
-            if oldest_only:
-                return
+            self.flights.land(self.window)  # issued asynchronously all the same, so that the wait is a watched one
 
     def finish(self) -> None:
         """End of backward: zeros for the gradients that never came, every
@@ -341,7 +273,7 @@ class GradReducer:
             else:
                 self._bucket(index).zero_missing()
         self._issue_ready(finishing=True)
-        self._land()
+        self.flights.land(self.window)
         self._next = 0
 
     def abort_backward(self, *, ranks_in_step: bool) -> None:
@@ -351,10 +283,9 @@ class GradReducer:
         same ones), else abandoned: their buffers stay referenced, since the
         collective may still write into them."""
         if ranks_in_step:
-            self._land()
+            self.flights.land(self.window)
         else:
-            self._abandoned += self._flights
-            self._flights = []
+            self.flights.abandon()
         for held in (*self._waiting.values(), *self.late.values()):
             self.memory.free(MemoryKind.GRAD_BUCKETS, tensor_bytes(held))
         for bucket in self._buckets.values():
