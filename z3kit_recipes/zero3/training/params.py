@@ -5,19 +5,10 @@ pre-forward and pre-backward, ``release(module)`` at post-forward and
 post-backward. It decides which parameters a module holds and when they may
 go, keeps the trace (``TraceRecorder``), asks the ranks to agree where no
 trace vouches for a fetch, and orders backward fetches (``zero3.training.schedule``);
-the release rule is a ``ReleasePolicy``. Gathering itself (issue, complete
-on the streams, free, prefetch, accounting) is the ``Gatherer``'s
-(``zero3.training.gathers``).
-
-Note: holding.
-    A module holds its parameters from fetch to release; a parameter held
-    by any module (a parent and a child that share it, a module whose
-    backward is still running) is never released. In forward a module
-    holds from pre-forward to post-forward; in backward from its first
-    pre-backward to its post-backward. Forwards seen during backward are
-    checkpoint recomputations: they fetch, but leave the release to the
-    module's post-backward, because backward is about to use what they
-    gathered.
+the release rule is a ``ReleasePolicy``, who holds what is kept in ``Holds``
+(``zero3.training.holds``, with the Note on holding). Gathering itself
+(issue, complete on the streams, free, prefetch, accounting) is the
+``Gatherer``'s (``zero3.training.gathers``).
 """
 
 from __future__ import annotations
@@ -36,6 +27,7 @@ from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.ranks.agreement import RankAgreement, StepRecord
 from z3kit_recipes.zero3.ranks.position import StepPosition
 from z3kit_recipes.zero3.training.gathers import Gatherer
+from z3kit_recipes.zero3.training.holds import Holds
 from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.schedule import BackwardSchedule, ForwardLog
 from z3kit_recipes.zero3.training.timeline import Timeline, profiled
@@ -74,10 +66,8 @@ class ParamCoordinator:
         self.persistent = [policy.is_persistent(n) for n in self.numels]
         self.regroup(module_params)
         self._tracing = False
-        self._users = [0] * len(self.shards)
-        #: parameters pinned by ``pin`` (gathered_parameters), with their pin counts
-        self._pins: dict[int, int] = {}
-        self._holders: set[nn.Module] = set()
+        #: which modules and pins hold each parameter (see the Note on holding)
+        self.holds = Holds(len(self.shards))
         self._fetch_index: dict[nn.Module, int] = {}
         self._start_forward()
 
@@ -230,10 +220,7 @@ class ParamCoordinator:
         with profiled(f"z3kit.fetch {self.names[module]}"):
             self._ensure_gathered(pids)
         self._note("fetch", module, self.limiter.live_numel - live_before)
-        if module not in self._holders:
-            self._holders.add(module)
-            for p in pids:
-                self._users[p] += 1
+        self.holds.hold(module, pids)
         if matches and self.rounds is None:
             prefetched = self.gatherer.prefetch()
             if prefetched:
@@ -257,15 +244,12 @@ class ParamCoordinator:
         """Post-forward / post-backward: let go of the module's parameters;
         the policy picks which to free (``keep``: never these, e.g. returned ones)."""
         pids = self.module_params[module]
-        if module in self._holders:
-            self._holders.discard(module)
-            for p in pids:
-                self._users[p] -= 1
+        self.holds.let_go(module, pids)
         kept = set(keep)
         candidates = [
             (p, self.numels[p])
             for p in pids
-            if self._users[p] == 0
+            if not self.holds.held(p)
             and not self.persistent[p]
             and p not in kept
             and self.shards[p].status is ParamStatus.AVAILABLE
@@ -297,33 +281,18 @@ class ParamCoordinator:
         exit and no ``release_all`` frees them (``gathered_parameters``)."""
         pids = list(pids)
         self.gatherer.ensure_gathered(pids)
-        for p in pids:
-            self._pins[p] = self._pins.get(p, 0) + 1
-            self._users[p] += 1
+        self.holds.pin(pids)
 
     def unpin(self, pids: Iterable[int]) -> None:
         """Undo one ``pin`` of ``pids``; free those no longer pinned or used."""
-        freed = []
-        for p in pids:
-            left = self._pins[p] - 1
-            if left:
-                self._pins[p] = left
-            else:
-                del self._pins[p]
-            self._users[p] -= 1
-            if self._users[p] == 0 and not self.persistent[p]:
-                freed.append(p)
-        self.discard(freed)
+        self.discard(p for p in self.holds.unpin(pids) if not self.persistent[p])
 
     def release_all(self) -> None:
         """Complete gathers in flight and free every parameter that is neither
         persistent nor pinned (end of backward, after an eval forward, after an error)."""
         self.gatherer.wait_inflight()
-        self._holders.clear()
-        self._users = [0] * len(self.shards)
-        for p, count in self._pins.items():
-            self._users[p] = count
-        self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and p not in self._pins)
+        self.holds.drop_modules()
+        self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and not self.holds.pinned(p))
         self.gatherer.forget_trace()
 
     def refresh_persistent(self) -> None:
@@ -357,8 +326,7 @@ class ParamCoordinator:
                 self.ranks.agree(index, (what, self.numels[pid]))
             self.module_params[user].append(pid)
             self._fetch_key[user] = self._key_of(self.module_params[user])
-            if user in self._holders:
-                self._users[pid] += 1
+            self.holds.joined(user, pid)
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
             self._ensure_gathered([pid])
 
