@@ -21,8 +21,8 @@ from tests.zero3_models import WORKLOADS, Case, assert_pair, build_pair, engine_
 from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit_recipes.zero3.config.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
 from z3kit_recipes.zero3.config.config import Zero3Config
-from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
 from z3kit_recipes.zero3.training.layout import CHUNK_NUMEL
+from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
 
 SHARDED = {"param_persistence_threshold": 0}
 

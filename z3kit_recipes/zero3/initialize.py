@@ -24,14 +24,14 @@ from z3kit.streams import stream_pair_for
 from z3kit.trace import TraceRecorder
 from z3kit.validate import check_int, is_int
 from z3kit_recipes.zero3.config.budget import MemoryPlan, plan_memory, transient_cap
-from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
-from z3kit_recipes.zero3.training.trainable import OptimizerFactory
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
-from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
-from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
+from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
+from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
+from z3kit_recipes.zero3.training.trainable import OptimizerFactory
 
 
 def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:

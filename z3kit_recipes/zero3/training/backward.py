@@ -30,12 +30,12 @@ from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
-from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
 from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.phase import Phase, TrainingState
-from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.training.step_checks import StepChecks
 
 

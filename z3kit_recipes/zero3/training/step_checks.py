@@ -57,8 +57,8 @@ from z3kit_recipes.zero3.ranks.agreement import (
     StepRecord,
     start_step_check,
 )
-from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.training.grads import GradReducer
 
 
 class StepChecks:

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.layout import ShardLayout
-from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -28,8 +28,6 @@ from torch import nn
 from z3kit.validate import check_int
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import EXPORT_KIND, commit, staged
-from z3kit_recipes.zero3.weights.target import CHECKPOINT_KIND, manifest_kind
-from z3kit_recipes.zero3.weights.together import Together
 from z3kit_recipes.zero3.weights.safetensors_io import (
     Planned,
     StreamingWriter,
@@ -40,6 +38,8 @@ from z3kit_recipes.zero3.weights.safetensors_io import (
     read_whole,
     write_index,
 )
+from z3kit_recipes.zero3.weights.target import CHECKPOINT_KIND, manifest_kind
+from z3kit_recipes.zero3.weights.together import Together
 
 #: Hugging Face's default largest file
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
