@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from z3kit_recipes.zero3.schedule import BackwardSchedule
+from z3kit_recipes.zero3.training.schedule import BackwardSchedule
 
 
 def test_hooks_in_schedule_order_fetch_nothing_extra() -> None:

@@ -25,8 +25,8 @@ from z3kit_recipes.train.corpus import SKIPPED_DIRS
 from z3kit_recipes.train.memory import KINDS, MemoryFigures, RankMemory, Replica, peak_rss_bytes
 from z3kit_recipes.train.render import render_memory
 from z3kit_recipes.models import GPT, GPTConfig
-from z3kit_recipes.zero3.auto import auto_sizes, block_numel
-from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.config.auto import auto_sizes, block_numel
+from z3kit_recipes.zero3.config.config import Zero3Config
 
 SMALL_CORPUS = 200_000
 

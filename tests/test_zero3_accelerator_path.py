@@ -8,7 +8,7 @@
 - no host sync in a training step: ``z3kit.host_sync.HostSyncCounter``
   around forward, backward and step counts none after the first step;
 - a parameter that some ranks give a gradient and others do not, after
-  every rank always did, is named (``zero3.step_checks``);
+  every rank always did, is named (``zero3.training.step_checks``);
 - ``collective_timeout_s`` stays under the process group's own timeout.
 
 ``tests/test_accelerator_semantics.py`` runs the same path under NCCL's
@@ -100,7 +100,7 @@ class SometimesBias(nn.Module):
 
 def run_rank_conditional(ctx: Any) -> str:
     from z3kit_recipes import zero3
-    from z3kit_recipes.zero3.agreement import RanksDisagree
+    from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 
     torch.manual_seed(0)
     engine = zero3.initialize(SometimesBias(), lambda p: torch.optim.SGD(p, lr=0.1),

@@ -126,7 +126,7 @@ def test_checkpoint_reshards(pools: Any, saved_at: int, loaded_at: int, tmp_path
 
 
 def run_interrupted_save(ctx: Any, root: str) -> dict[str, Any]:
-    from z3kit_recipes.zero3 import checkpoint
+    from z3kit_recipes.zero3.weights import checkpoint
 
     engine = new_engine(ctx)
     micro_steps(ctx, engine, 0, 2)

@@ -1,4 +1,4 @@
-"""torch.compile with the zero3 runtime (``zero3.compiled``), against DDP
+"""torch.compile with the zero3 runtime (``zero3.compile.compiled``), against DDP
 running the same compiled model.
 
 Each case trains one model for a few steps twice on every rank, with

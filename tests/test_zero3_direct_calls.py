@@ -1,6 +1,6 @@
 """Calling the model itself (``model(x)``) instead of the engine
 (``engine(x)``), as Hugging Face Trainer-style code and eval code do: the
-root's own hooks run the engine's part of the forward (``zero3.root_hooks``),
+root's own hooks run the engine's part of the forward (``zero3.runtime.root_hooks``),
 so both calls train alike, against DDP on a deep copy (gloo, worlds 1 and 2).
 
 * Training by ``model(x)`` and ``loss.backward()``, or mixing the two calls,

@@ -21,7 +21,7 @@ from z3kit.flat_bucket import ReduceMode
 from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.shard import ParamShard, partition_of
 from z3kit.stream_check import RecordingStreamPair
-from z3kit_recipes.zero3.grads import GradReducer
+from z3kit_recipes.zero3.training.grads import GradReducer
 
 # 1200 elements needs no padding at world 2 and fills half a bucket: reduced alone (in place)
 SHAPES = [(7, 3), (5,), (1,), (1200,), (4, 4), (9,)]
@@ -55,7 +55,7 @@ def _reducer_worker(ctx: WorkerContext, mode: ReduceMode, overlap: bool) -> dict
             out[f"calls{window}"] = log.total_calls()
             out[f"buckets_after{window}"] = memory.current(MemoryKind.GRAD_BUCKETS)
             reducer.mark_used(p for p in range(len(SHAPES)) if p != NEVER)
-            reducer.new_backward()  # the engine's end of backward takes the flags (zero3.step_checks)
+            reducer.new_backward()  # the engine's end of backward takes the flags (zero3.training.step_checks)
         grads = reducer.window.optimizer_grads()
         out["grads"] = [None if g is None else g.clone() for g in grads]
         out["partition_bytes"] = memory.current(MemoryKind.GRAD_PARTITIONS)

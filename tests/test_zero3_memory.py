@@ -19,10 +19,10 @@ import torch
 from tests.errors import error_of, unchanged
 from tests.zero3_models import WORKLOADS, Case, assert_pair, build_pair, engine_micro_step, finish, new_result, train_steps
 from z3kit.memory import MemoryKind, MemoryLedger
-from z3kit_recipes.zero3.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
-from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.grads import MAX_FLIGHTS
-from z3kit_recipes.zero3.layout import CHUNK_NUMEL
+from z3kit_recipes.zero3.config.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
+from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.training.layout import CHUNK_NUMEL
+from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
 
 SHARDED = {"param_persistence_threshold": 0}
 
@@ -275,7 +275,7 @@ def test_a_factory_failing_on_one_rank_fails_everywhere_and_changes_nothing(pool
 
 
 def test_large_parameters_are_broadcast_alone() -> None:
-    from z3kit_recipes.zero3.layout import ShardLayout, _chunks
+    from z3kit_recipes.zero3.training.layout import ShardLayout, _chunks
 
     sizes = [10, CHUNK_NUMEL, 20, CHUNK_NUMEL // 2, CHUNK_NUMEL // 2 + 1, 5]
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]

@@ -4,7 +4,7 @@ A three-layer model is sharded over real gloo ranks; the test calls the
 hook entry points itself (fetch, forward_exit, fetch_for_backward,
 release) in the order a training step would, with every gather on a
 ``RecordingStreamPair`` and counted in a ``CollectiveLog``; the rank
-agreement is a recording stand-in for ``zero3.ranks.FetchAgreement`` (a
+agreement is a recording stand-in for ``zero3.ranks.fetch_agreement.FetchAgreement`` (a
 protocol the coordinator only calls).
 """
 
@@ -23,11 +23,11 @@ from z3kit.release import StockReleasePolicy
 from z3kit.shard import ParamShard, ParamStatus
 from z3kit.stream_check import RecordingStreamPair
 from z3kit.trace import TraceRecorder, TraceState
-from z3kit_recipes.zero3.agreement import StepRecord
-from z3kit_recipes.zero3.gathers import Gatherer
-from z3kit_recipes.zero3.hook_plan import fetch_groups
-from z3kit_recipes.zero3.params import ParamCoordinator
-from z3kit_recipes.zero3.timeline import Timeline
+from z3kit_recipes.zero3.ranks.agreement import StepRecord
+from z3kit_recipes.zero3.training.gathers import Gatherer
+from z3kit_recipes.zero3.training.hook_plan import fetch_groups
+from z3kit_recipes.zero3.training.params import ParamCoordinator
+from z3kit_recipes.zero3.training.timeline import Timeline
 
 
 class RecordingAgreement:

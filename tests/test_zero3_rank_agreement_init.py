@@ -24,8 +24,8 @@ from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3 import Zero3Config
-from z3kit_recipes.zero3.build import Policies
 from z3kit_recipes.zero3.init_agreement import MAX_SHOWN, InitSummary, differences, disagreement, summarize
+from z3kit_recipes.zero3.runtime.build import Policies
 
 
 class Tiny(nn.Module):

@@ -153,7 +153,7 @@ def test_a_folder_whose_parent_cannot_hold_the_staging_folder_is_refused(pools: 
 def run_commit_fails_on_one_rank(ctx: Any, path: str, where: str) -> dict[str, Any]:
     from unittest import mock
 
-    from z3kit_recipes.zero3 import commit
+    from z3kit_recipes.zero3.weights import commit
 
     engine = new_engine(ctx, seed=1)
     engine.save_checkpoint(path, client_state={"which": "first"})

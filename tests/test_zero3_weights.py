@@ -171,7 +171,7 @@ def test_mismatched_checkpoint_is_reported_by_name_before_anything_changes(pools
 def test_streaming_writer_output_reads_back_with_safetensors(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from z3kit_recipes.zero3.safetensors_io import Planned, StreamingWriter
+    from z3kit_recipes.zero3.weights.safetensors_io import Planned, StreamingWriter
 
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).bfloat16()}
     writer = StreamingWriter(tmp_path / "x.safetensors", [Planned(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])

@@ -27,10 +27,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from z3kit_recipes.zero3.commit import CHECKPOINT_KIND, EXPORT_KIND, commit, read_manifest, staged, verify
-from z3kit_recipes.zero3.pretrained import DEFAULT_MAX_SHARD_BYTES
-from z3kit_recipes.zero3.safetensors_io import Planned, StreamingWriter, file_names, plan_files, write_index
-from z3kit_recipes.zero3.together import Together
+from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, EXPORT_KIND, commit, read_manifest, staged, verify
+from z3kit_recipes.zero3.weights.pretrained import DEFAULT_MAX_SHARD_BYTES
+from z3kit_recipes.zero3.weights.safetensors_io import Planned, StreamingWriter, file_names, plan_files, write_index
+from z3kit_recipes.zero3.weights.together import Together
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -24,7 +24,7 @@ that talk over gloo on a free loopback port.
 Training goes through ``z3kit_recipes.zero3.initialize`` with the stock
 policies and AdamW on the fp32 master shards (linear warm-up, cosine decay
 to a tenth of ``--lr``). Without ``--config`` the runtime's size knobs are
-scaled to the model (``"auto"``, see :mod:`z3kit_recipes.zero3.auto`);
+scaled to the model (``"auto"``, see :mod:`z3kit_recipes.zero3.config.auto`);
 ``--config`` takes a DeepSpeed JSON or a z3kit JSON (see
 :mod:`z3kit_recipes.train.config`).
 

@@ -48,11 +48,11 @@ from z3kit_recipes import zero3
 from z3kit_recipes.train.corpus import CharVocab
 from z3kit_recipes.train.loop import LoopStart
 from z3kit_recipes.train.spec import RunSpec
-from z3kit_recipes.zero3.commit import read_manifest
+from z3kit_recipes.zero3.weights.commit import read_manifest
 
 #: version of the job's ``client_state`` layout
 CLIENT_STATE_VERSION: Final = 1
-#: the manifest's kind of a checkpoint (``zero3.checkpoint``) and of an export (``zero3.pretrained``)
+#: the manifest's kind of a checkpoint (``zero3.weights.checkpoint``) and of an export (``zero3.weights.pretrained``)
 CHECKPOINT_KIND: Final = "z3kit checkpoint"
 EXPORT_KIND: Final = "hugging-face weights"
 
@@ -153,7 +153,7 @@ def read_client_state(path: str) -> dict[str, Any]:
         raise ValueError(f"--resume {path}: this is an --export (weights only): start from it with --init-from")
     if kind != CHECKPOINT_KIND:
         raise ValueError(f"--resume {path}: not a checkpoint (its manifest says {kind!r})")
-    state: dict[str, Any] = {"client_state": (None,)}  # as zero3.checkpoint saves it: a pickled one-tuple
+    state: dict[str, Any] = {"client_state": (None,)}  # as zero3.weights.checkpoint saves it: a pickled one-tuple
     with warnings.catch_warnings():  # DCP says that it reads in one process: meant
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp_load(state, storage_reader=FileSystemReader(str(root)), no_dist=True)

@@ -22,7 +22,7 @@ from z3kit_recipes.train.launch import run_under_torchrun, spawn_ranks, torchrun
 from z3kit_recipes.train.outputs import default_out
 from z3kit_recipes.train.profile import PROFILE_STEPS
 from z3kit_recipes.train.spec import RunSpec
-from z3kit_recipes.zero3.commit import MANIFEST
+from z3kit_recipes.zero3.weights.commit import MANIFEST
 
 DEFAULT_STEPS: Final = 400
 DEFAULT_BATCH_SIZE: Final = 16

@@ -1,7 +1,7 @@
 """Model sizes and the run's ``Zero3Config``.
 
 Without ``--config`` the runtime's size knobs are all ``"auto"``: scaled to
-the model by ``z3kit_recipes.zero3.auto.auto_sizes``, the way Hugging
+the model by ``z3kit_recipes.zero3.config.auto.auto_sizes``, the way Hugging
 Face's DeepSpeed integration fills ``"auto"``. DeepSpeed's absolute
 defaults (100k persistence threshold, 1e9 reuse distance) would keep every
 parameter of a model this small gathered all the time, and there would be
@@ -24,8 +24,8 @@ from typing import Any, Final
 import attrs
 
 from z3kit_recipes.models import GPTConfig
-from z3kit_recipes.zero3.auto import auto_sizes, resolve_auto
-from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.config.auto import auto_sizes, resolve_auto
+from z3kit_recipes.zero3.config.config import Zero3Config
 
 #: (width, layers, heads, seq_len) of each ``--model-size``
 MODEL_SIZES: Final[dict[str, tuple[int, int, int, int]]] = {
@@ -61,7 +61,7 @@ def config_from_dict(raw: Mapping[str, Any], hidden_size: int | None = None) -> 
     ``zero_optimization``) or from ``Zero3Config`` keyword arguments.
 
     ``"auto"`` on a size knob takes its value for a model of width
-    ``hidden_size`` (``z3kit_recipes.zero3.auto``); unknown keys of either
+    ``hidden_size`` (``z3kit_recipes.zero3.config.auto``); unknown keys of either
     kind are refused by name (``ValueError``).
     """
     if not isinstance(raw, Mapping):

@@ -38,7 +38,7 @@ from z3kit_recipes.train.report import (
 )
 from z3kit_recipes.train.sample import generate
 from z3kit_recipes.train.spec import RunSpec
-from z3kit_recipes.zero3.timeline import TimelineEvent
+from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 
 @attrs.frozen

@@ -9,7 +9,7 @@ from typing import Any
 
 from z3kit_recipes.train.extras import optional_module
 from z3kit_recipes.train.report import LOSS_WINDOW, mean, mean_over_ranks
-from z3kit_recipes.zero3.timeline import TimelineEvent
+from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 
 def write_plots(

@@ -23,8 +23,8 @@ from z3kit_recipes.train.corpus import Corpus
 from z3kit_recipes.train.loop import LoopResult, Tally
 from z3kit_recipes.train.memory import MemoryFigures
 from z3kit_recipes.train.spec import RunSpec
-from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.timeline import TimelineEvent
+from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 #: steps averaged for the loss at the start and at the end
 LOSS_WINDOW: Final = 10
@@ -146,7 +146,7 @@ class CommWait:
     step_s: float
     steps_counted: int
     rank: int = 0
-    #: of the step time, the part spent on the ranks' agreement checks (``zero3.agreement``)
+    #: of the step time, the part spent on the ranks' agreement checks (``zero3.ranks.agreement``)
     rank_check_s: float = 0.0
 
     @classmethod

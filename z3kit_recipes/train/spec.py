@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from z3kit_recipes.models import GPTConfig
-from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.config.config import Zero3Config
 
 
 @attrs.frozen

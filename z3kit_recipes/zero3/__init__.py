@@ -8,9 +8,9 @@
     engine.step()
 """
 
-from z3kit_recipes.zero3.config import Zero3Config
+from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.initialize import initialize
-from z3kit_recipes.zero3.stats import Zero3Stats
+from z3kit_recipes.zero3.runtime.stats import Zero3Stats
 
 __all__ = ["Zero3Config", "Zero3Engine", "Zero3Stats", "initialize"]

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from z3kit.collectives import ProcessGroup, all_gather
-from z3kit_recipes.zero3.agreement import RanksDisagree
-from z3kit_recipes.zero3.build import Policies
-from z3kit_recipes.zero3.config import Zero3Config
-from z3kit_recipes.zero3.materialize import InitFn
+from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.runtime.build import Policies
+from z3kit_recipes.zero3.training.materialize import InitFn
 
 #: differences named in the message; the rest are counted
 MAX_SHOWN = 5

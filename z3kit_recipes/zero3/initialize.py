@@ -3,7 +3,7 @@
 Nothing touches the model before every check has passed, on every rank
 where a check depends on the others: the ranks agree on the model and the
 settings (``zero3.init_agreement``, which also agrees on the seed of a
-model built on meta), then on the optimizer factory (``zero3.build``).
+model built on meta), then on the optimizer factory (``zero3.runtime.build``).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from z3kit.shard import shard_numel_for
 from z3kit.streams import stream_pair_for
 from z3kit.trace import TraceRecorder
 from z3kit.validate import check_int, is_int
-from z3kit_recipes.zero3.budget import MemoryPlan, plan_memory, transient_cap
-from z3kit_recipes.zero3.build import MetaInit, Policies, StreamPairFactory, assemble
-from z3kit_recipes.zero3.trainable import OptimizerFactory
-from z3kit_recipes.zero3.config import BUDGET_DERIVED, Zero3Config
+from z3kit_recipes.zero3.config.budget import MemoryPlan, plan_memory, transient_cap
+from z3kit_recipes.zero3.config.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
-from z3kit_recipes.zero3.grads import MAX_FLIGHTS
-from z3kit_recipes.zero3.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
-from z3kit_recipes.zero3.materialize import InitFn, check_materializable, has_meta_tensors
+from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
+from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
+from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
+from z3kit_recipes.zero3.training.trainable import OptimizerFactory
 
 
 def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
@@ -84,7 +84,7 @@ def initialize(
     ``RanksDisagreeAtInit`` naming the differences (``zero3.init_agreement``).
 
     A model built on the meta device is materialized one module at a time
-    (see ``z3kit_recipes.zero3.materialize``): by ``param_init_fn(module)``
+    (see ``z3kit_recipes.zero3.training.materialize``): by ``param_init_fn(module)``
     when given (a Hugging Face model's ``_init_weights``), else by each
     module's ``reset_parameters()``, from ``init_seed`` (default: rank 0's
     ``torch.initial_seed()``), the same on every rank.

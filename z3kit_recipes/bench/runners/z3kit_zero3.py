@@ -13,7 +13,7 @@ from z3kit_recipes.bench.runners import CompileSpec, engine_step
 from z3kit_recipes.bench.spec import JSON, LR
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
-from z3kit_recipes.zero3.config import BUDGET_DERIVED
+from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
 
 
 def shared_config(zero: JSON) -> Zero3Config:

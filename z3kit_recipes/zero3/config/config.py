@@ -1,0 +1,243 @@
+"""Zero3Config: the stock runtime's knobs, with DeepSpeed's names and defaults.
+
+``Zero3Config.from_deepspeed`` reads a DeepSpeed configuration (a dict or
+a JSON file) so that a DeepSpeed user brings their config unchanged; keys
+that z3kit does not implement are refused by name rather than silently
+ignored, and ``"auto"`` means what it means everywhere in z3kit: a value
+derived from the model (``z3kit_recipes.zero3.config.auto``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from z3kit.validate import bool_validator, check_int, int_validator, is_number, number_validator
+from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _dtype_name(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dtype in _DTYPES.items():
+            if dtype == value:
+                return name
+    if isinstance(value, str) and value in _DTYPES:
+        return value
+    raise ValueError(f"Zero3Config.compute_dtype must be one of {sorted(_DTYPES)} (or the torch dtype), got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Zero3Config:
+    """Configuration of the stock ZeRO-3 runtime. Sizes count elements.
+
+    The first nine fields carry DeepSpeed's meaning, and its default except
+    for ``gradient_clipping``: 0.0 here, which means no clipping, where
+    DeepSpeed's default clips the global norm at 1.0 (set 1.0 to clip as it
+    does).
+    ``prefetch_bucket_size`` caps one prefetch; ``max_live_parameters``
+    caps gathered elements (a running module's own fetch is never refused);
+    ``max_reuse_distance`` keeps a parameter gathered at module exit when
+    the trace says it is used again within that many elements;
+    parameters under ``param_persistence_threshold`` elements are gathered
+    once and kept; ``reduce_bucket_size`` is the gradient bucket;
+    ``overlap_comm`` runs gathers and reductions asynchronously;
+    ``contiguous_gradients`` reduces through the flat bucket (False reduces
+    each gradient by its own collective); ``gradient_accumulation_steps``
+    micro-steps make one optimizer step; ``gradient_clipping`` is the
+    global-norm limit (0 disables).
+    """
+
+    prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=int_validator(at_least=0))
+    max_live_parameters: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=int_validator(at_least=0))
+    param_persistence_threshold: int = attrs.field(default=100_000, validator=int_validator(at_least=0))
+    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=int_validator(at_least=1))
+    overlap_comm: bool = attrs.field(default=True, validator=bool_validator())
+    contiguous_gradients: bool = attrs.field(default=True, validator=bool_validator())
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=int_validator(at_least=1))
+    gradient_clipping: float = attrs.field(default=0.0, validator=number_validator(at_least=0.0))
+    #: "fp32", or "bf16" (bf16 parameters, gathers and reductions; fp32 master shards and gradient partitions)
+    compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
+    #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
+    reduce_scatter: bool | None = attrs.field(default=None)
+    #: gathers in flight at once (demand fetches included)
+    max_inflight_gathers: int = attrs.field(default=2, validator=int_validator(at_least=1))
+    #: seconds a collective may wait for the other ranks before the engine gives up and
+    #: names the ranks that did not answer; it must be shorter than the process group's own
+    #: timeout (after which NCCL's watchdog ends the process with a message of its own).
+    #: None: 90% of the process group's timeout (1800 s where torch does not tell it)
+    collective_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(number_validator(above=0.0)))
+    #: rank 0's buffers (BatchNorm statistics) are broadcast to every rank before
+    #: each training forward, as DDP's ``broadcast_buffers=True`` does
+    broadcast_buffers: bool = attrs.field(default=True, validator=bool_validator())
+    #: debugging: the ranks agree on every fetch of a training step, forward and backward,
+    #: before gathering, so a divergence is named where it starts (one small collective a
+    #: fetch); the environment variable ``Z3KIT_CHECK_EVERY_FETCH=1`` turns it on as well
+    check_every_fetch: bool = attrs.field(default=False, validator=bool_validator())
+    #: rank-divergent graphs (a data-dependent early exit, a per-expert MoE without a leaf
+    #: unit): every gather is a round in which the ranks gather the union of what any needs
+    #: (``zero3.training.rounds``): such graphs train at DDP parity, at a collective per fetch
+    divergent_graphs: bool = attrs.field(default=False, validator=bool_validator())
+    #: bytes per rank for gathered parameters and gradient buckets (an int), or a
+    #: fraction in (0, 1] of the model's size in the compute dtype (a float); the
+    #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
+    #: at hand (see ``z3kit_recipes.zero3.config.budget``). None: use the knobs as given.
+    memory_budget: int | float | None = attrs.field(default=None)
+
+    @memory_budget.validator
+    def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:
+        if value is None:
+            return
+        if not is_number(value):
+            raise TypeError(
+                f"Zero3Config.memory_budget must be bytes (an int) or a fraction of the model (a float), "
+                f"got {type(value).__name__}"
+            )
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"Zero3Config.memory_budget in bytes must be >= 1, got {value}")
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"Zero3Config.memory_budget as a fraction of the model must be in (0, 1], got {value}; "
+                "give bytes as an int"
+            )
+        changed = [name for name in BUDGET_DERIVED if getattr(self, name) != _DEFAULTS[name]]
+        if changed:
+            raise ValueError(
+                f"Zero3Config.memory_budget derives {', '.join(BUDGET_DERIVED)}; "
+                f"do not also set {', '.join(changed)} (drop them, or drop memory_budget)"
+            )
+
+    @reduce_scatter.validator
+    def _check_reduce_scatter(self, attribute: attrs.Attribute[bool | None], value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"Zero3Config.reduce_scatter must be a bool or None, got {type(value).__name__}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def checks_every_fetch(self) -> bool:
+        """``check_every_fetch``, or the environment's ``Z3KIT_CHECK_EVERY_FETCH``."""
+        return self.check_every_fetch or os.environ.get(CHECK_EVERY_FETCH_ENV, "0") not in ("", "0")
+
+    @classmethod
+    def from_deepspeed(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], *, hidden_size: int | None = None
+    ) -> Zero3Config:
+        """Read a DeepSpeed config dict, or the path of its JSON file.
+
+        Reads ``zero_optimization`` (``stage`` must be 3; ``stage3_*`` knobs,
+        ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``,
+        ``reduce_scatter``), ``bf16``, ``gradient_accumulation_steps`` and
+        ``gradient_clipping``. Batch sizes are accepted and ignored (they
+        belong to the data loader). Anything else is refused with its name.
+        A knob the config leaves out keeps ``Zero3Config``'s default.
+
+        ``"auto"`` on a size knob (``stage3_param_persistence_threshold``,
+        ``stage3_prefetch_bucket_size``, ``reduce_bucket_size``,
+        ``stage3_max_reuse_distance``, ``stage3_max_live_parameters``) is
+        filled from the model's ``hidden_size`` by
+        ``z3kit_recipes.zero3.config.auto.auto_sizes``, as the main job's
+        ``--config`` fills it; without ``hidden_size`` it is refused. On
+        any other key ``"auto"`` is refused (write the value).
+        """
+        if hidden_size is not None:
+            check_int("hidden_size", hidden_size, at_least=1)
+        if isinstance(config, (str, os.PathLike)):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, Mapping):
+            raise TypeError(f"a DeepSpeed config is a dict or a JSON file path, got {type(config).__name__}")
+        kwargs: dict[str, Any] = {}
+        #: each field's key in the DeepSpeed config, for messages about "auto"
+        spelled: dict[str, str] = {}
+        unsupported: list[str] = []
+
+        def take(name: str, key: str, value: Any) -> None:
+            # JSON configs often write sizes as 5e8, which json reads as a float
+            if isinstance(value, float) and value.is_integer() and name in _INT_FIELDS:
+                value = int(value)
+            kwargs[name] = value
+            spelled[name] = key
+
+        for key, value in config.items():
+            if key in _TOP_LEVEL:
+                take(_TOP_LEVEL[key], key, value)
+            elif key in _IGNORED_TOP_LEVEL:
+                continue
+            elif key == "bf16":
+                enabled = _enabled(value, "bf16")
+                if enabled == AUTO:  # refused below, with every other "auto"
+                    take("compute_dtype", "bf16.enabled", AUTO)
+                elif enabled:
+                    kwargs["compute_dtype"] = "bf16"
+            elif key in ("fp16", "amp") and isinstance(value, Mapping) and not value.get("enabled", False):
+                continue  # present but off: harmless
+            elif key == "zero_optimization":
+                if not isinstance(value, Mapping):
+                    raise TypeError(f"zero_optimization must be a dict, got {type(value).__name__}")
+                stage = value.get("stage", 0)
+                if stage != 3:
+                    raise ValueError(f"z3kit implements ZeRO stage 3; zero_optimization.stage is {stage!r}")
+                for zkey, zvalue in value.items():
+                    if zkey == "stage":
+                        continue
+                    if zkey in _ZERO_KEYS:
+                        take(_ZERO_KEYS[zkey], f"zero_optimization.{zkey}", zvalue)
+                    else:
+                        unsupported.append(f"zero_optimization.{zkey}")
+            else:
+                unsupported.append(key)
+        if unsupported:
+            supported = sorted([*_TOP_LEVEL, *_IGNORED_TOP_LEVEL, "bf16"]) + sorted(
+                f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS)
+            )
+            raise ValueError(
+                f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. "
+                f"Remove them (the optimizer comes from initialize's factory); supported: {', '.join(supported)}"
+            )
+        return cls(**resolve_auto(kwargs, hidden_size, spelled=spelled))
+
+
+def _enabled(section: Any, name: str) -> bool | str:
+    """``section["enabled"]`` as a bool, or ``"auto"`` as written."""
+    if not isinstance(section, Mapping):
+        raise TypeError(f"{name} must be a dict like {{'enabled': true}}, got {type(section).__name__}")
+    enabled = section.get("enabled", False)
+    return AUTO if enabled == AUTO else bool(enabled)
+
+
+#: the environment variable that turns ``check_every_fetch`` on for a run, whatever the code says
+CHECK_EVERY_FETCH_ENV = "Z3KIT_CHECK_EVERY_FETCH"
+#: the knobs that ``memory_budget`` derives, when it is set
+BUDGET_DERIVED = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "reduce_bucket_size")
+_DEFAULTS = {f.name: f.default for f in attrs.fields(Zero3Config)}
+
+_TOP_LEVEL = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+}
+_INT_FIELDS = frozenset(
+    f.name for f in attrs.fields(Zero3Config) if f.type in ("int", int)
+)
+_IGNORED_TOP_LEVEL = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
+_ZERO_KEYS = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_scatter": "reduce_scatter",
+}

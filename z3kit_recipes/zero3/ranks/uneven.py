@@ -1,0 +1,98 @@
+"""Forwards that only some ranks run: met, or refused on every rank in seconds.
+
+Note: why eval forwards meet.
+    An eval or ``no_grad`` forward gathers its parameters collectively, as a
+    training forward does, and collectives pair by order. A rank that runs
+    one alone (rank 0 logging a sample, ranks with different numbers of eval
+    batches) would pair its gathers with whatever the others issue next:
+    mismatched sizes, a hang, or silently wrong values. So before an eval
+    forward that gathers anything, each rank posts on the notice board that
+    it runs eval forward #n since its last backward, and waits for every
+    other rank to post the same (``RankWatch.left_trace``, at a position
+    before that micro-step's training forward). A rank in a training
+    forward, or at another point, that reads the notice raises at its next
+    wait, and the eval rank raises with it, each naming what the other did:
+    within seconds, and without calling a live rank lost. A rank that is
+    busy outside the engine (the user's own barrier) is waited for, up to
+    ``collective_timeout_s``.
+
+    The meeting is a store round trip per eval forward, no collective and no
+    device sync. Forwards that gather nothing (every parameter persistent
+    and gathered) need no meeting. ``engine.generate`` runs every rank in
+    lockstep on the same inputs, so its forwards skip it (``lockstep``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from z3kit.hooks import in_backward, outside_graphs
+from z3kit_recipes.zero3.ranks.position import EVAL_BASE, StepPosition
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+
+_ADVICE = ("every rank must run the same forwards, since each gathers parameters collectively: for a sample on one "
+           "rank call engine.generate(..., rank=0) on every rank; for ranks with different numbers of batches run "
+           "the same number on each (pad the last batches), or gather what one rank needs with "
+           "engine.gathered_parameters() around its work")
+
+
+class EvalMeeting:
+    """Eval and ``no_grad`` forwards meet on the notice board (see the Note)."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        watch: RankWatch,
+        position: StepPosition,
+        *,
+        micro_step: Callable[[], int],
+        gathers_needed: Callable[[], bool],
+        in_training_step: Callable[[], bool],
+    ) -> None:
+        self.watch, self.micro_step = watch, micro_step
+        #: where this rank is: the eval forward under way is written there (None: none is)
+        self.position = position
+        self.gathers_needed, self.in_training_step = gathers_needed, in_training_step
+        self._counted_at = -1  # the micro-step whose eval forwards ``_count`` counts
+        self._count = 0
+        self._lockstep = 0
+
+        @outside_graphs
+        def before(module: nn.Module, args: Any) -> None:
+            self._before_forward(module)
+
+        @outside_graphs
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            self.position.eval_forward = None
+
+        # prepended: before the root's own fetch, which may gather
+        self._handles = [root.register_forward_pre_hook(before, prepend=True), root.register_forward_hook(after)]
+
+    def _before_forward(self, root: nn.Module) -> None:
+        self.position.eval_forward = None
+        if (torch.is_grad_enabled() and root.training) or in_backward() or self.in_training_step():
+            return  # a training forward, a checkpoint recomputation, or inside a step: the step's own checks hold
+        if self._lockstep or self.watch.board is None or not self.gathers_needed():
+            return
+        micro = self.micro_step()
+        if micro != self._counted_at:
+            self._counted_at, self._count = micro, 0
+        position = EVAL_BASE + self._count
+        self._count += 1
+        self.position.eval_forward = position
+        self.watch.left_trace((micro, position), f"ran an eval or no_grad forward (#{self._count} since its last "
+                                                 f"backward) that the other ranks did not; {_ADVICE}")
+
+    @contextlib.contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Forwards inside run on every rank alike by construction: no meeting."""
+        self._lockstep += 1
+        try:
+            yield
+        finally:
+            self._lockstep -= 1

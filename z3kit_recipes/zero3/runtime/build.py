@@ -1,0 +1,267 @@
+"""The engine's parts, made in data-flow order from checked arguments.
+
+``assemble`` is what ``zero3.initialize`` calls once every argument is
+checked: the shard layout and the optimizer on its master shards (a factory
+that fails on any rank leaves every model untouched), the values into the
+shards, then the parameter path (Gatherer, ParamCoordinator), the gradient
+path (GradReducer, BackwardPass, OptimizerStep), the module hooks that drive
+them, and the statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
+from z3kit.flat_bucket import ReduceMode
+from z3kit.hooks import ModuleHooks
+from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
+from z3kit.prefetch import PrefetchLimiter
+from z3kit.release import ReleasePolicy
+from z3kit.shard import ParamStatus
+from z3kit.streams import StreamPairLike
+from z3kit.trace import TraceRecorder
+from z3kit_recipes.zero3.compile.compiled import ForwardContext
+from z3kit_recipes.zero3.config.budget import MemoryPlan
+from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.config.timeouts import collective_timeout
+from z3kit_recipes.zero3.ranks.agreement import StepRecord
+from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.ranks.uneven import EvalMeeting
+from z3kit_recipes.zero3.ranks.watcher import start_watcher
+from z3kit_recipes.zero3.runtime.step_stats import StepStats
+from z3kit_recipes.zero3.training.backward import BackwardPass
+from z3kit_recipes.zero3.training.gathers import Gatherer
+from z3kit_recipes.zero3.training.grads import GradReducer
+from z3kit_recipes.zero3.training.hook_plan import fetch_groups
+from z3kit_recipes.zero3.training.layout import ShardLayout
+from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
+from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
+from z3kit_recipes.zero3.training.optim_step import OptimizerStep
+from z3kit_recipes.zero3.training.param_use import ParamUseMode
+from z3kit_recipes.zero3.training.params import ParamCoordinator
+from z3kit_recipes.zero3.training.phase import Phase, TrainingState
+from z3kit_recipes.zero3.training.rounds import FetchRounds
+from z3kit_recipes.zero3.training.timeline import Timeline
+from z3kit_recipes.zero3.training.trainable import OptimizerFactory, TrainableWatch
+
+StreamPairFactory = Callable[[torch.device], StreamPairLike]
+
+
+@attrs.frozen
+class MetaInit:
+    """How tensors built on the meta device get their values (see ``zero3.training.materialize``)."""
+
+    init_fn: InitFn | None
+    seed: int
+
+
+@attrs.frozen
+class Policies:
+    """The trace and the policies the parameter path runs on (stock or the user's)."""
+
+    trace: TraceRecorder
+    release: ReleasePolicy
+    limiter: PrefetchLimiter
+
+
+@attrs.frozen(eq=False)
+class EngineParts:
+    """Everything a ``Zero3Engine`` is made of, in data-flow order."""
+
+    module: nn.Module
+    config: Zero3Config
+    group: ProcessGroup
+    device: torch.device
+    rank: int
+    world: int
+    param_names: list[str]
+    log: CollectiveLog
+    memory: MemoryLedger
+    memory_plan: MemoryPlan | None
+    training_state: TrainingState
+    watch: RankWatch
+    layout: ShardLayout
+    optimizer: torch.optim.Optimizer | None
+    trace: TraceRecorder
+    limiter: PrefetchLimiter
+    record: StepRecord
+    gather_streams: StreamPairLike
+    reduce_streams: StreamPairLike
+    timeline: Timeline
+    coordinator: ParamCoordinator
+    reducer: GradReducer | None
+    hooks: ModuleHooks
+    forward_context: ForwardContext
+    meeting: EvalMeeting
+    backward: BackwardPass
+    optimizer_step: OptimizerStep | None
+    trainable_watch: TrainableWatch
+    model_watch: ModelWatch
+    stats: StepStats
+
+
+def assemble(
+    module: nn.Module,
+    optimizer_factory: OptimizerFactory | None,
+    config: Zero3Config,
+    group: ProcessGroup,
+    device: torch.device,
+    leaf_modules: list[nn.Module],
+    policies: Policies,
+    memory_plan: MemoryPlan | None,
+    meta_init: MetaInit,
+    stream_pairs: StreamPairFactory,
+) -> EngineParts:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    named = list(module.named_parameters())  # each parameter once, tied ones included
+    params = [p for _, p in named]
+    log, memory, state = CollectiveLog(), MemoryLedger(), TrainingState()
+    watch = RankWatch(
+        group,
+        timeout_s=collective_timeout(config.collective_timeout_s, group),
+        describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
+        # where this rank is: written by the coordinator and the eval meeting made below (``zero3.ranks.position``)
+        position=state.rank_position,
+    )
+    start_watcher(watch)
+
+    # the layout is allocated empty and the optimizer built on it; a factory
+    # that fails (on any rank) leaves every model untouched
+    layout = ShardLayout.allocate(
+        params, rank=rank, world=world, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None
+    )
+    optimizer = _build_optimizer(optimizer_factory, layout, group, device)
+
+    # the values into the shards, one parameter (or chunk, or module) at a time:
+    # rank 0's where the model has them, made on every rank where it was built on meta
+    real = [pid for pid, p in enumerate(params) if not p.is_meta]
+    layout.fill_from_rank0(real, group, log)
+    if len(real) < len(params) or has_meta_tensors(module):
+        materialize(module, layout, meta_init.init_fn, meta_init.seed, device)
+    if optimizer is None:
+        for p in params:
+            p.requires_grad_(False)  # nothing would consume their gradients
+    memory.set(MemoryKind.PARAM_SHARDS, tensor_bytes(layout.flat))
+    if not layout.masters_are_shards:
+        memory.set(MemoryKind.FP32_MASTERS, storage_bytes(layout.masters))
+    place_buffers(module, device, config.torch_dtype)
+
+    # the parameter path
+    record, timeline = StepRecord(), Timeline()
+    agreement = FetchAgreement(group, device, watch, lambda: state.micro_step)
+    leaf_roots = set(leaf_modules)
+    hooked = fetch_groups(module, params, leaf_roots)
+    gatherer = Gatherer(
+        layout.shards, group=group, streams=stream_pairs(device), trace=policies.trace, limiter=policies.limiter,
+        log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
+    )
+    rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
+    coordinator = ParamCoordinator(
+        gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,
+        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds, position=state.position,
+    )
+    meeting = EvalMeeting(
+        module, watch, state.position, micro_step=lambda: state.micro_step,
+        # a gather in flight (persistent ones refreshed after a step) was issued by every rank alike
+        gathers_needed=lambda: any(s.status is ParamStatus.NOT_AVAILABLE for s in layout.shards),
+        in_training_step=lambda: coordinator.tracing or state.phase is not Phase.IDLE,
+    )
+
+    # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
+    reduce_streams = stream_pairs(device)
+    reducer = _build_reducer(layout, config, group, device, memory_plan, watch, reduce_streams, log, memory)
+    names = [name for name, _ in named]
+    backward = BackwardPass(
+        layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
+        record=record, watch=watch, agreement=agreement, training_state=state,
+        defer_reductions=config.divergent_graphs,
+    )
+    hooks = backward.hooks
+    optimizer_step = None if optimizer is None or reducer is None else OptimizerStep(
+        optimizer, reducer, layout.shards, layout.trainable, layout.masters,
+        masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
+    )
+    stats = StepStats(
+        log, memory, policies.limiter,
+        comm_wait=lambda: gatherer.comm_wait_s + (0.0 if reducer is None else reducer.comm_wait_s),
+        rank_check=lambda: backward.check_s + agreement.seconds,
+    )
+    return EngineParts(
+        module=module, config=config, group=group, device=device, rank=rank, world=world, param_names=names,
+        log=log, memory=memory, memory_plan=memory_plan, training_state=state, watch=watch, layout=layout,
+        optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
+        gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
+        coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
+        forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
+        backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
+        trainable_watch=TrainableWatch(
+            layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
+            watch=watch, memory=memory, micro_step=lambda: state.micro_step,
+        ),
+    )
+
+
+def _build_optimizer(
+    factory: OptimizerFactory | None, layout: ShardLayout, group: ProcessGroup, device: torch.device
+) -> torch.optim.Optimizer | None:
+    optimizer: torch.optim.Optimizer | None = None
+    try:
+        if factory is not None:
+            optimizer = factory(layout.masters)
+            _check_optimizer(optimizer, layout.masters)
+    except BaseException:
+        failed_ranks(False, group, device)
+        raise
+    failed = failed_ranks(True, group, device)
+    if failed:
+        raise RuntimeError(f"the optimizer factory failed on rank(s) {failed}; see their error. Nothing was changed here")
+    return optimizer
+
+
+def _check_optimizer(optimizer: Any, masters: list[nn.Parameter]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    ours = {id(m) for m in masters}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in ours:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not one of the master shards it was given; "
+                    "build it from the factory's argument only"
+                )
+
+
+def _build_reducer(
+    layout: ShardLayout, config: Zero3Config, group: ProcessGroup, device: torch.device, plan: MemoryPlan | None,
+    watch: RankWatch, streams: StreamPairLike, log: CollectiveLog, memory: MemoryLedger,
+) -> GradReducer | None:
+    if not layout.trainable:
+        return None
+    reduce_scatter = config.reduce_scatter
+    if reduce_scatter is None:
+        reduce_scatter = dist.get_backend(group) != "gloo"
+    world = dist.get_world_size(group)
+    return GradReducer(
+        layout.shards,
+        layout.trainable,
+        # one communicator for gathers and reductions (see the Note in zero3.training.step_checks)
+        group=group,
+        waiter=watch.wait,
+        streams=streams,
+        log=log,
+        memory=memory,
+        bucket_size=config.reduce_bucket_size if plan is None else plan.reduce_bucket_size,
+        bucket_dtype=config.torch_dtype,  # reduce in the compute dtype, as DeepSpeed does; accumulate in fp32
+        mode=ReduceMode.REDUCE_SCATTER if reduce_scatter else ReduceMode.ALL_REDUCE,
+        overlap=config.overlap_comm,
+        contiguous=config.contiguous_gradients,
+        scale=1.0 / (world * config.gradient_accumulation_steps),
+    )

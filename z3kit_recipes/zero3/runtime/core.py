@@ -1,0 +1,183 @@
+"""``EngineCore``: forward, backward and step over the assembled parts.
+
+This is the engine without its features: what ``zero3.runtime.build`` made,
+run. The features (weights in and out, ``engine.join()``,
+``engine.generate``) are given an ``EngineCore`` and use its public surface;
+the public ``Zero3Engine`` (``zero3.engine``) is this core with their
+methods added, and the map of the data flow is its module docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from z3kit_recipes.zero3.runtime.build import EngineParts
+from z3kit_recipes.zero3.runtime.root_hooks import RootForward
+from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
+from z3kit_recipes.zero3.training.phase import Phase
+from z3kit_recipes.zero3.training.timeline import TimelineEvent
+
+
+class EngineCore:
+    """Forward, backward and step of a model sharded by ``zero3.initialize`` (see the module docstring)."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.module, self.config, self.group, self.device = parts.module, parts.config, parts.group, parts.device
+        self.rank, self.world, self.log, self.memory = parts.rank, parts.world, parts.log, parts.memory
+        self.layout, self.shards, self.masters = parts.layout, parts.layout.shards, parts.layout.masters
+        self.trainable, self.param_names = parts.layout.trainable, parts.param_names
+        #: None for an inference-only engine (``initialize(model, optimizer=None)``)
+        self.optimizer = parts.optimizer
+        self.coordinator, self.reducer, self.limiter = parts.coordinator, parts.reducer, parts.limiter
+        self.trace, self.training_state, self.watch = parts.trace, parts.training_state, parts.watch
+        #: the knobs ``config.memory_budget`` was turned into, when it is set
+        self.memory_plan = parts.memory_plan
+        #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.runtime.root_hooks``)
+        self.forwards = RootForward(parts, self._abort)
+
+    @property
+    def global_step(self) -> int:
+        return self.training_state.global_step
+
+    @property
+    def micro_step(self) -> int:
+        return self.training_state.micro_step
+
+    @property
+    def phase(self) -> Phase:
+        return self.training_state.phase
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        """The parameter timeline of the last captured step (see ``capture_timeline``)."""
+        return self.parts.timeline.last
+
+    # -- forward ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward: ``engine(x)`` is ``model(x)``, whose root hooks
+        do the engine's part (see ``zero3.runtime.root_hooks``)."""
+        return self.forwards.call(args, kwargs)
+
+    def _abort(self, what: str, exc: BaseException) -> None:
+        """A forward or backward raised: forget what was in progress, free what was gathered."""
+        position = self.parts.record.gathers, len(self.parts.record.fetches)
+        self.parts.record.clear()
+        self.parts.hooks.reset()
+        self.coordinator.abort(ranks_broken=self.watch.broken is not None)
+        self.training_state.phase = Phase.IDLE
+        self.watch.failed_here(what, exc, position)
+        if what == "backward":  # after failed_here: it tells whether every rank failed at this point
+            self.parts.backward.abort(ranks_in_step=self.watch.broken is None)
+
+    # -- backward --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``; gradients are averaged over ranks and over the
+        ``gradient_accumulation_steps`` micro-steps (no loss scaling needed)."""
+        self.require_optimizer("backward()")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward needs the loss tensor, got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        self.forwards.settle()  # before the check: aborting a lost forward may leave the ranks apart
+        self.watch.check("backward")
+        before = self.training_state.micro_step
+        try:
+            self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
+            loss.backward()
+        except BaseException as exc:
+            self._abort("backward", exc)
+            raise
+        if self.training_state.micro_step == before:  # nothing in backward reached a hook of ours
+            self.parts.backward.end()
+
+    # -- optimizer step --------------------------------------------------------------------
+    def is_accumulation_boundary(self) -> bool:
+        return self.training_state.micro_step % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> bool:
+        """Optimizer step at a gradient-accumulation boundary (returns True),
+        otherwise nothing (False). Grads are cleared after the step."""
+        self.require_optimizer("step()")
+        self.forwards.settle()
+        self.watch.check("step()")
+        if not self.training_state.backward_since_step_call:
+            raise RuntimeError(
+                "step() called without a backward since the last step(): run engine.backward(loss) "
+                "(or loss.backward()) first"
+            )
+        self.training_state.micro_at_step_call = self.training_state.micro_step
+        if not self.is_accumulation_boundary():
+            return False
+        if self.parts.optimizer_step is not None:
+            self.parts.backward.before_step()
+            self.parts.optimizer_step.run()
+        self.coordinator.refresh_persistent()
+        self.training_state.global_step += 1
+        self.parts.stats.optimizer_step()
+        self.parts.timeline.step_boundary()
+        return True
+
+    def capture_timeline(self) -> None:
+        """Record every fetch, prefetch and release of the next optimizer step
+        (from the step() after this call to the following one) into ``timeline``."""
+        self.parts.timeline.arm()
+
+    def zero_grad(self) -> None:
+        """Discard the gradients accumulated since the last optimizer step."""
+        if self.reducer is not None:
+            self.reducer.window.end()
+
+    # -- between steps -------------------------------------------------------------------------
+    def check_idle(self, what: str) -> None:
+        """Refuse ``what`` inside a forward or backward."""
+        self.forwards.settle()
+        if self.parts.hooks.active or self.training_state.phase is Phase.BACKWARD:
+            raise RuntimeError(f"{what} cannot be used inside a forward or backward")
+
+    def shards_changed(self) -> None:
+        """The shards were written from outside (a load): gathered copies are stale."""
+        self.coordinator.gatherer.wait_inflight()
+        self.coordinator.discard(range(len(self.shards)))
+
+    def require_optimizer(self, what: str) -> torch.optim.Optimizer:
+        """The optimizer, or a clear error for an inference-only engine."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs an optimizer, and this engine was initialized with optimizer=None")
+        return self.optimizer
+
+    def progress(self) -> tuple[int, int]:
+        """(optimizer steps taken, backwards completed)."""
+        return self.training_state.global_step, self.training_state.micro_step
+
+    def restore_progress(self, global_step: int, micro_step: int, *, window_open: bool) -> None:
+        """Counters of a resumed run (``window_open``: backwards since its last optimizer step)."""
+        self.training_state.global_step, self.training_state.micro_step = global_step, micro_step
+        self.training_state.micro_at_step_call = micro_step - 1 if window_open else micro_step
+        if self.parts.optimizer_step is not None:
+            self.parts.optimizer_step.measure_state()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's communication in flight (``step()`` leaves the
+        persistent parameters' refresh gathering). Call it before stopping a
+        torch profiler: a gloo work issued under the profiler and completed
+        after it stopped can crash the process."""
+        self.coordinator.gatherer.wait_inflight()
+        self.parts.gather_streams.synchronize()
+        self.parts.reduce_streams.synchronize()
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> Zero3Stats:
+        return collect_stats(self.parts)
+
+    def gathered_numel(self) -> int:
+        """Elements of full parameter storage held right now, measured on the
+        tensors (padding included), gathers in flight included (their
+        buffers exist already)."""
+        installed = sum(s.full.untyped_storage().nbytes() // s.full.element_size() for s in self.shards)
+        return installed + self.coordinator.gatherer.staging_numel()

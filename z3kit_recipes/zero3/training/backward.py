@@ -1,0 +1,206 @@
+"""The backward pass of the stock runtime: gradients handed over, and its end.
+
+``BackwardPass`` owns the grad-ready hooks of the trainable parameters (a
+leaf unit hands its parameters' gradients over in one call instead), queues
+the end-of-backward callback from inside the first backward hook, and at the
+end of backward fetches the schedule's remaining entries, finishes the
+reductions, has the ranks compare what they did (``zero3.ranks.agreement``) and
+frees every gathered parameter.
+
+Note: the module hooks are made here.
+    The module hooks (``z3kit.hooks.ModuleHooks``) fire the coordinator's
+    fetch and release and this pass's pre-backward, and this pass ends each
+    backward through them (``finish_backward``, ``reset``). So the pass
+    makes them, with its own bound methods, and attaches every hooked
+    module (a leaf unit's root with the unit's actions, whose reduction is
+    this pass's too): each object is made from objects that exist.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence, Set
+
+import torch
+
+from torch import nn
+
+from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.leaf import LeafModuleHook, ParamGrads
+from z3kit.shard import ParamShard
+from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
+from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
+from z3kit_recipes.zero3.training.grads import GradReducer
+from z3kit_recipes.zero3.training.params import ParamCoordinator
+from z3kit_recipes.zero3.training.phase import Phase, TrainingState
+from z3kit_recipes.zero3.training.step_checks import StepChecks
+
+
+class BackwardPass:
+    """Gradients into the reducer; the end-of-backward epilogue (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: Sequence[ParamShard],
+        names: Sequence[str],
+        trainable: Sequence[int],
+        leaf_roots: Set[nn.Module],
+        *,
+        coordinator: ParamCoordinator,
+        reducer: GradReducer | None,
+        record: StepRecord,
+        watch: RankWatch,
+        agreement: FetchAgreement,
+        training_state: TrainingState,
+        defer_reductions: bool,
+    ) -> None:
+        self.shards, self.names, self.trainable = shards, names, trainable
+        self.coordinator, self.reducer, self.record = coordinator, reducer, record
+        self.watch, self.agreement, self.training_state = watch, agreement, training_state
+        self._queued = False
+        #: what the module hooks do (see the Note): a leaf unit's root gets the unit's version of them
+        self.actions = HookActions(
+            pre_forward=coordinator.fetch, post_forward=coordinator.forward_exit,
+            pre_backward=self.pre_backward, post_backward=coordinator.release,
+        )
+        self.hooks = ModuleHooks(self.actions)
+        leaf_params: set[int] = set()
+        for m in coordinator.module_params:
+            if m in leaf_roots:
+                unit = LeafModuleHook(m, self.actions, self.reduce_leaf)
+                leaf_params.update(coordinator.index[id(p)] for p in unit.params)
+                self.hooks.attach(m, unit.actions)
+            else:
+                self.hooks.attach(m)
+        #: parameters of leaf units, whose gradients the unit hands over
+        self.leaf_params = frozenset(leaf_params)
+        #: refuses a second backward over one forward (see ``zero3.training.backward_once``)
+        self.once = OneBackwardPerForward(watch, self.hooks, record, coordinator.root)
+        #: seconds spent finishing the ranks' comparison of a backward
+        self.check_s = 0.0
+        #: the step checks in flight and what they taught (``zero3.training.step_checks``)
+        self.checks = None if reducer is None else StepChecks(
+            reducer, watch, agreement.device, names, global_step=lambda: training_state.global_step,
+            defer_all=defer_reductions)
+        self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
+        self.watch_gradients(trainable)
+
+    def watch_gradients(self, pids: Sequence[int]) -> None:
+        """Hand the gradients of ``pids`` to the reducer as they become ready
+        (a leaf unit's parameters are handed over by the unit)."""
+        self._grad_handles += [
+            self.shards[pid].param.register_post_accumulate_grad_hook(self._grad_hook(pid))
+            for pid in pids
+            if pid not in self.leaf_params
+        ]
+
+    @property
+    def running(self) -> bool:
+        """A backward of ours is under way (its epilogue is queued)."""
+        return self._queued
+
+    def _grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
+        # a weak reference: torch keeps a parameter's post-accumulate-grad hooks where the
+        # garbage collector does not look, so a hook holding this pass would keep a dropped
+        # engine, with its shards, buffers and optimizer state, alive for good
+        this = weakref.ref(self)
+
+        def on_grad_ready(param: torch.Tensor) -> None:
+            live = this()
+            if live is not None and param.grad is not None:
+                live._hand_over(pid, param, param.grad)
+
+        return on_grad_ready
+
+    def _hand_over(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A full gradient is ready: into the reducer, out of ``param.grad``."""
+        if self.reducer is None:
+            return
+        self.queue_epilogue()
+        self.reducer.add(pid, grad)
+        param.grad = None
+
+    def reduce_leaf(self, grads: ParamGrads) -> None:
+        """A leaf unit's gradients, all at once (``LeafModuleHook``); one
+        that got none here is reduced as zeros without counting as arrived."""
+        for param, grad in grads:
+            pid = self.coordinator.index[id(param)]
+            if grad is not None:
+                self._hand_over(pid, param, grad)
+            elif self.reducer is not None:
+                self.queue_epilogue()
+                self.reducer.skip(pid)
+
+    def pre_backward(self, module: torch.nn.Module) -> None:
+        self.queue_epilogue()
+        self.coordinator.fetch_for_backward(module)
+
+    def queue_epilogue(self) -> None:
+        """Queue the end-of-backward callback once per backward, from inside
+        it (the first hook to fire is the root's, in the outermost backward)."""
+        if self._queued or not in_backward():
+            return
+        self.once.backward_starts()
+        self._queued = True
+        self.training_state.phase = Phase.BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self.end)
+
+    def host_waits(self) -> int:
+        """Reads of the ranks' comparisons that had to wait for the device (``Zero3Stats.host_waits``)."""
+        return self.agreement.host_waits + (0 if self.checks is None else self.checks.host_waits)
+
+    def settle_checks(self) -> None:
+        """Apply the step checks still in flight (collective; ``StepChecks.settle``)."""
+        if self.checks is not None:
+            self.checks.settle()
+
+    def before_step(self) -> None:
+        """The optimizer step is next: what got a gradient in the window is settled (``zero3.training.step_checks``)."""
+        if self.checks is not None:
+            self.checks.before_step()
+
+    def abort(self, *, ranks_in_step: bool) -> None:
+        """The backward raised (``ranks_in_step``: on every rank at the same
+        point): no epilogue comes; its gradients are dropped. One refused
+        before it reached a hook of ours changed nothing, and keeps the window."""
+        if not self._queued:
+            return
+        self._queued = False
+        if self.reducer is not None:
+            self.reducer.abort_backward(ranks_in_step=ranks_in_step)
+
+    def end(self) -> None:
+        """End of backward (or a backward that reached no hook of ours)."""
+        self._queued = False
+        try:
+            self.hooks.finish_backward()
+            self.coordinator.finish_schedule()
+            self.coordinator.finish_rounds()
+            if self.reducer is not None and self.checks is not None:
+                self.reducer.finish()  # every reduction issued, before the check: one order on every rank
+                started = time.perf_counter()
+                try:
+                    self.agreement.settle()
+                    # with rank-divergent graphs the ranks' fetches differ by design (``zero3.training.rounds``)
+                    record = self.record if self.coordinator.rounds is None else StepRecord()
+                    self.checks.end_of_backward(self.trainable, record, self.training_state.micro_step)
+                except RanksDisagree as exc:
+                    self.watch.broken = str(exc)  # every rank raised it: none may go on alone
+                    raise
+                finally:
+                    self.record.clear()
+                    self.check_s += time.perf_counter() - started
+            late = [self.names[p] for p in self.leaf_params if self.shards[p].param.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"gradients of leaf-unit parameters {late[:5]} arrived after their unit was reduced; "
+                    "a parameter of a leaf module is being used outside it"
+                )
+        finally:
+            self.coordinator.end_step()
+            self.hooks.reset()
+            self.training_state.phase = Phase.IDLE
+        self.training_state.micro_step += 1

@@ -1,0 +1,227 @@
+"""Gathers of the stock runtime: issued, in flight, installed, freed.
+
+``Gatherer`` is the only code that turns a gather in flight into available
+parameters: it issues coalesced gathers on the gather stream pair, completes
+them (compute waits on the communication's event, the parameters are
+installed), frees gathered copies, and keeps the accounting (the
+``PrefetchLimiter``'s live elements, the ``MemoryLedger``, the seconds
+blocked). It also picks what to prefetch from the frozen trace.
+
+Note: the prefetch frontier.
+    Prefetch walks the frozen trace from the current fetch and gathers, in
+    one collective, the parameters of the fetches ahead that are not
+    gathered yet, within the limiter's budget. ``frontier`` remembers how far
+    it looked, so the next prefetch starts there; everything before it is
+    gathered or in flight. Freeing a parameter whose next use lies before
+    the frontier moves the frontier back to that use, since prefetch has to
+    look there again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather
+from z3kit.memory import MemoryKind, MemoryLedger
+from z3kit.prefetch import PrefetchLimiter
+from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
+from z3kit.streams import StreamPairLike
+from z3kit.trace import TraceRecorder, TraceFetch
+from z3kit_recipes.zero3.ranks.agreement import StepRecord, Waiter
+from z3kit_recipes.zero3.training.timeline import profiled
+
+
+class Gatherer:
+    """Owner of every gather of one model's shards (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: Sequence[ParamShard],
+        *,
+        group: ProcessGroup,
+        streams: StreamPairLike,
+        trace: TraceRecorder,
+        limiter: PrefetchLimiter,
+        log: CollectiveLog,
+        memory: MemoryLedger,
+        record: StepRecord,
+        waiter: Waiter,
+        overlap: bool,
+    ) -> None:
+        self.shards = list(shards)
+        self.group, self.streams, self.log, self.memory = group, streams, log, memory
+        self.trace, self.limiter, self.record, self.waiter = trace, limiter, record, waiter
+        #: prefetches are left in flight (else waited on at once)
+        self.overlap = overlap
+        self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
+        self.numels = [s.numel for s in self.shards]
+        self._element_size = self.shards[0].shard.element_size()
+        #: bytes of each parameter's gathered storage (its padded full size)
+        self._gathered_bytes = [s.padded_numel * self._element_size for s in self.shards]
+        self._handles: dict[int, GatherHandle] = {}
+        #: gathers left in flight when the ranks stopped running together (kept alive, never waited on)
+        self._abandoned: list[GatherHandle] = []
+        self._fetches: tuple[TraceFetch, ...] | None = None  # the frozen trace, cached while it matches
+        self._frontier = 0
+        #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
+        self.comm_wait_s = 0.0
+
+    # -- issue and complete --------------------------------------------------------------
+    def gather(self, pids: list[int], *, wait: bool) -> None:
+        """One collective for ``pids`` (all NOT_AVAILABLE); completed now with ``wait``."""
+        self.limiter.on_gather(sum(self.numels[p] for p in pids))
+        handle = gather_shards([self.shards[p] for p in pids], self.group, streams=self.streams, async_op=True, log=self.log)
+        self.record.gathers += 1
+        # one parameter is gathered into its own buffer; several into an output
+        # buffer that completion copies out of (both exist for a moment) and frees
+        staging = handle.staging_numel * self._element_size
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, staging or self._gathered_bytes[pids[0]])
+        for p in pids:
+            self._handles[p] = handle
+        if wait:
+            self._complete(handle)
+
+    def _complete(self, handle: GatherHandle) -> None:
+        start = time.perf_counter()
+        handle.wait(self.waiter)  # compute waits on the gather's event; the parameters are installed
+        self.comm_wait_s += time.perf_counter() - start
+        for s in handle.shards:
+            self._handles.pop(self.index[id(s.param)], None)
+        if handle.staging_numel:
+            pids = [self.index[id(s.param)] for s in handle.shards]
+            self.memory.allocate(MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[p] for p in pids))
+            self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
+        self.limiter.on_gather_done()
+
+    def ensure_gathered(self, pids: Iterable[int]) -> None:
+        """Make ``pids`` AVAILABLE now: gather the missing ones in one
+        collective and complete those in flight."""
+        missing, inflight = [], []
+        for p in pids:
+            status = self.shards[p].status
+            if status is ParamStatus.NOT_AVAILABLE:
+                missing.append(p)
+            elif status is ParamStatus.INFLIGHT:
+                inflight.append(p)
+        if missing:
+            self.gather(missing, wait=True)
+        for p in inflight:
+            handle = self._handles.get(p)
+            if handle is not None:
+                self._complete(handle)
+
+    def gather_union(self, pids: list[int], install: set[int]) -> None:
+        """One collective over ``pids``, the same list on every rank
+        (``zero3.training.rounds``): each rank contributes its shards, installs those
+        of ``install`` (NOT_AVAILABLE here) and discards the rest, whatever
+        their status here. Completed now, on the compute stream: the rounds
+        wait for their agreement anyway, so there is nothing to overlap."""
+        shards = [self.shards[p] for p in pids]
+        world = shards[0].world
+        mine = torch.cat([s.shard for s in shards])
+        out = mine.new_empty(world * mine.numel())
+        staging = out.numel() * self._element_size
+        self.memory.allocate(MemoryKind.GATHERED_PARAMS, staging)
+        installed = [p for p in pids if p in install]
+        self.limiter.on_gather(sum(self.numels[p] for p in installed))
+        pending = all_gather(out, mine, self.group, async_op=True, log=self.log)
+        self.record.gathers += 1
+        start = time.perf_counter()
+        self.waiter(pending.is_completed, pending.wait)
+        self.comm_wait_s += time.perf_counter() - start
+        rows, offset = out.view(world, -1), 0
+        for p, shard in zip(pids, shards):
+            if p in install:
+                shard.materialize().view(world, -1).copy_(rows[:, offset : offset + shard.shard_numel])
+                shard.install()
+                self.memory.allocate(MemoryKind.GATHERED_PARAMS, self._gathered_bytes[p])
+            offset += shard.shard_numel
+        self.memory.free(MemoryKind.GATHERED_PARAMS, staging)
+        self.limiter.on_gather_done()
+
+    def wait_inflight(self) -> None:
+        """Complete every gather in flight; nothing is released."""
+        for handle in list({id(h): h for h in self._handles.values()}.values()):
+            self._complete(handle)
+
+    def abandon_inflight(self) -> None:
+        """Forget the gathers in flight without waiting (the ranks no longer
+        run together, so they may never finish). Their tickets keep the
+        buffers referenced, since the collective may still write into them;
+        the parameters count as not gathered."""
+        for handle in {id(h): h for h in self._handles.values()}.values():
+            self._abandoned.append(handle)
+            for s in handle.shards:
+                s.status = ParamStatus.NOT_AVAILABLE
+        self._handles.clear()
+
+    def staging_numel(self) -> int:
+        """Elements of the coalesced gathers' output buffers in flight."""
+        return sum({id(h): h.staging_numel for h in self._handles.values()}.values())
+
+    def gathered(self) -> list[int]:
+        return [p for p, s in enumerate(self.shards) if s.status is ParamStatus.AVAILABLE]
+
+    # -- free ---------------------------------------------------------------------------
+    def free(self, pids: Iterable[int]) -> int:
+        """Release those of ``pids`` that are gathered; returns their elements."""
+        numel = nbytes = 0
+        cursor = self.trace.cursor
+        look_back = self._fetches is not None and self._frontier > cursor
+        for pid in pids:
+            shard = self.shards[pid]
+            if shard.status is not ParamStatus.AVAILABLE:
+                continue
+            shard.release()
+            numel += self.numels[pid]
+            nbytes += self._gathered_bytes[pid]
+            if look_back:  # see the Note on the prefetch frontier
+                nxt = self.trace.next_use(pid, cursor - 1)
+                if nxt is not None and nxt < self._frontier:
+                    self._frontier = nxt
+        if numel or nbytes:
+            self.limiter.on_release(numel)
+            self.memory.free(MemoryKind.GATHERED_PARAMS, nbytes)
+        return numel
+
+    # -- prefetch -------------------------------------------------------------------------
+    def forget_trace(self) -> None:
+        """The trace changed or a step ended: the next prefetch looks afresh."""
+        self._fetches = None
+        self._frontier = 0
+
+    def prefetch(self) -> int:
+        """Gather, in one collective, what the trace needs next, within
+        budget (see the Note on the prefetch frontier); returns its elements."""
+        budget = self.limiter.budget()
+        if budget <= 0:
+            return 0
+        if self._fetches is None:
+            self._fetches = self.trace.fetches
+            self._frontier = 0
+        fetches = self._fetches
+        i = max(self.trace.cursor, self._frontier)
+        picked: list[int] = []
+        seen: set[int] = set()
+        total = 0
+        full = False
+        while i < len(fetches) and not full:
+            for p in fetches[i].param_ids:
+                if p in seen or self.shards[p].status is not ParamStatus.NOT_AVAILABLE:
+                    continue
+                if total + self.numels[p] > budget:
+                    full = True
+                    break
+                picked.append(p)
+                seen.add(p)
+                total += self.numels[p]
+            else:
+                i += 1
+        self._frontier = i
+        if picked:
+            with profiled(f"z3kit.prefetch {len(picked)} params"):
+                self.gather(picked, wait=not self.overlap)
+        return total

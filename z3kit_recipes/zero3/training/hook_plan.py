@@ -1,0 +1,95 @@
+"""Which module gathers which parameters.
+
+Every module that owns parameters is hooked and fetches its own
+(``parameters(recurse=False)``); a leaf unit (an MoE block) fetches its
+whole subtree at its root, and the modules inside it are not hooked. The
+root is always hooked, with or without parameters of its own, so that the
+runtime sees every forward start and end.
+
+A compiled submodule (``block.compile()``, or ``torch.compile(block)`` put
+into the model) is a unit too: it fetches its whole subtree at its root, so
+that the compiled code finds every parameter gathered and no hook inside it
+breaks the graph (see ``zero3.compile.compiled``). Its gradients are reduced
+parameter by parameter as usual; a leaf unit keeps its own rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from z3kit.dynamo import is_compiled
+
+LeafSpec = type[nn.Module] | nn.Module
+
+
+def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Module]:
+    """The model's leaf-unit roots named by classes or instances (a leaf inside
+    another leaf is part of the outer unit)."""
+    modules = list(model.modules())
+    chosen: list[nn.Module] = []
+    for spec in specs:
+        if isinstance(spec, type) and issubclass(spec, nn.Module):
+            found = [m for m in modules if isinstance(m, spec)]
+            if not found:
+                raise ValueError(f"leaf module class {spec.__name__} matches no module of the model")
+            chosen.extend(found)
+        elif isinstance(spec, nn.Module):
+            if not any(spec is m for m in modules):
+                raise ValueError(f"leaf module {type(spec).__name__} instance is not part of the model")
+            chosen.append(spec)
+        else:
+            raise TypeError(f"leaf_modules holds module classes or instances, got {type(spec).__name__}")
+    unique = list(dict.fromkeys(chosen))
+    inner = {m for leaf in unique for m in leaf.modules() if m is not leaf}
+    leaves = [m for m in unique if m not in inner]
+    for leaf in leaves:
+        if next(leaf.parameters(), None) is None:
+            raise ValueError(f"leaf module {type(leaf).__name__} has no parameters")
+    return leaves
+
+
+def compiled_units(model: nn.Module, leaves: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """The compiled submodules that fetch their whole subtree at their root:
+    the outermost compiled module of each subtree, the root itself excluded
+    (see ``zero3.compile.compiled``), and none that holds a leaf unit or
+    lies inside one (a leaf unit already fetches its subtree as one)."""
+    leaf_set = set(leaves)
+    units: list[nn.Module] = []
+    claimed: set[nn.Module] = set()
+    for m in model.modules():
+        if m in claimed:
+            continue
+        if m in leaf_set:
+            claimed.update(m.modules())
+            continue
+        if m is model or not is_compiled(m):
+            continue
+        inner = set(m.modules())
+        if inner & leaf_set:
+            continue
+        units.append(m)
+        claimed.update(inner)
+    return units
+
+
+def fetch_groups(
+    model: nn.Module, params: Sequence[nn.Parameter], leaves: Iterable[nn.Module]
+) -> dict[nn.Module, list[int]]:
+    """Hooked module -> ids (positions in ``params``) of the parameters it fetches."""
+    index = {id(p): pid for pid, p in enumerate(params)}
+    leaf_roots = set(leaves)
+    roots = leaf_roots | set(compiled_units(model, leaf_roots))
+    inside_leaf = {m for leaf in roots for m in leaf.modules() if m is not leaf}
+    groups: dict[nn.Module, list[int]] = {}
+    for m in model.modules():
+        if m in inside_leaf:
+            continue
+        if m in roots:
+            pids = list(dict.fromkeys(index[id(p)] for p in m.parameters()))
+        else:
+            pids = list(dict.fromkeys(index[id(p)] for p in m.parameters(recurse=False)))
+        if pids or m is model:
+            groups[m] = pids
+    return groups

@@ -1,0 +1,70 @@
+"""The optimizer step of the stock runtime: clip, step, write back.
+
+The reducer's gradient partitions become the fp32 master shards' ``.grad``
+(views, no copy), the user's optimizer steps on the masters, and the masters
+are cast back into the compute-dtype shards when those are separate. Then the
+window's partitions are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
+from z3kit.shard import ParamShard
+from z3kit_recipes.zero3.training.grads import GradReducer
+
+
+class OptimizerStep:
+    """One optimizer over this rank's master shards."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: GradReducer,
+        shards: list[ParamShard],
+        trainable: list[int],
+        masters: list[nn.Parameter],
+        *,
+        masters_are_shards: bool,
+        clip: float,
+        memory: MemoryLedger,
+    ) -> None:
+        self.optimizer, self.reducer = optimizer, reducer
+        self.shards, self.trainable, self.masters = shards, trainable, masters
+        self.masters_are_shards, self.clip, self.memory = masters_are_shards, clip, memory
+        #: the global gradient norm before the last clip, on the device (read by ``last_grad_norm``)
+        self._last_norm: torch.Tensor | None = None
+        self._state_entries = 0
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before the last clip (None: no clipping).
+        Reading it waits for the device; the step itself never does."""
+        return None if self._last_norm is None else float(self._last_norm)
+
+    def run(self) -> None:
+        if self.clip > 0:
+            self._last_norm = self.reducer.clip_(self.clip)
+        for master, grad in zip(self.masters, self.reducer.window.optimizer_grads()):
+            master.grad = grad
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        if not self.masters_are_shards:
+            for pid, master in zip(self.trainable, self.masters):
+                self.shards[pid].shard.copy_(master.detach())
+        self.reducer.window.end()
+        if len(self.optimizer.state) != self._state_entries:
+            # optimizers create a parameter's state at its first step and keep
+            # its size after that: measure only when new entries appear
+            self.measure_state()
+
+    def measure_state(self) -> None:
+        """Count the optimizer's state in the memory ledger (after a load, say)."""
+        self._state_entries = len(self.optimizer.state)
+        self.memory.set(
+            MemoryKind.OPTIMIZER_STATE,
+            storage_bytes(t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)),
+        )
