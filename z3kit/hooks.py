@@ -286,6 +286,10 @@ class ModuleHooks:
     def modules(self) -> list[nn.Module]:
         return list(self._handles)
 
+    def innermost(self) -> nn.Module | None:
+        """The innermost hooked module whose forward is running, if any."""
+        return self.active[-1] if self.active else None
+
     def open_modules(self) -> list[nn.Module]:
         """Modules with a backward call in progress."""
         return list(self._open)

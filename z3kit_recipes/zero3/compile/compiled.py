@@ -273,12 +273,7 @@ class ForwardContext:
             for m in groups:
                 if m not in attached:
                     hooks.attach(m)
-            coordinator.regroup(groups)
-            trace = coordinator.trace
-            trace.invalidate()
-            if trace.in_step:  # record from this forward on
-                trace.end_step()
-                trace.begin_step()
+            coordinator.regroup(groups)  # the trace records afresh
             self._eval_learned = False
         units = compiled_units(model, self._leaves)
         for m in hooks.modules:

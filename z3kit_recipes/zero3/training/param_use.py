@@ -47,14 +47,14 @@ class ParamUseMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _METADATA_READS:
             return func(*args, **kwargs)
-        index = self.coordinator.index
+        index, user = self.coordinator.index, self.hooks.innermost()
         for arg in (*args, *kwargs.values()):
             pid = index.get(id(arg))
             if pid is not None:
-                self.coordinator.on_param_use(pid, self.hooks)
+                self.coordinator.on_param_use(pid, user)
             elif type(arg) is list or type(arg) is tuple:
                 for item in arg:
                     pid = index.get(id(item))
                     if pid is not None:
-                        self.coordinator.on_param_use(pid, self.hooks)
+                        self.coordinator.on_param_use(pid, user)
         return func(*args, **kwargs)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit.hooks import ModuleHooks, in_backward, iter_tensors
+from z3kit.hooks import in_backward, iter_tensors
 from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus
 from z3kit.trace import TraceRecorder, TraceState
@@ -82,13 +82,19 @@ class ParamCoordinator:
 
     def regroup(self, module_params: dict[nn.Module, list[int]]) -> None:
         """Which module fetches which parameters (at initialize, and when
-        compiled blocks become fetch units); the trace records afresh."""
+        compiled blocks become fetch units); the trace records afresh, a
+        step in progress from its next fetch on."""
         self.module_params = module_params
         self.module_keys = {m: key for key, m in enumerate(module_params)}
         #: what each module's fetch looks like to the trace: (ids, sizes)
         self._fetch_key = {m: self._key_of(pids) for m, pids in module_params.items()}
         self.names = {m: name or "<root>" for name, m in _named(module_params)}
         self.gatherer.forget_trace()
+        trace = self.trace
+        trace.invalidate()
+        if trace.in_step:
+            trace.end_step()
+            trace.begin_step()
 
     def _key_of(self, pids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return tuple(pids), tuple(self.numels[p] for p in pids)
@@ -313,8 +319,10 @@ class ParamCoordinator:
         return next(iter(self.module_params))
 
     # -- parameters used outside their module ----------------------------------------------
-    def on_param_use(self, pid: int, hooks: ModuleHooks) -> None:
-        user = hooks.active[-1] if hooks.active else None
+    def on_param_use(self, pid: int, user: nn.Module | None) -> None:
+        """Parameter ``pid`` is used while ``user`` (the innermost hooked module
+        running, if any) runs: where it is not one of ``user``'s, it joins them
+        (see ``zero3.training.param_use``)."""
         if user is not None and user in self.module_params and pid not in self.module_params[user]:
             what = f"uses parameter #{pid} ({self.numels[pid]:,} elements) in {self.names[user]!r}, outside its module"
             index = len(self._forward)
