@@ -204,7 +204,7 @@ def test_plot_writes_one_png_per_case(tmp_path: Path) -> None:
 def test_tiny_end_to_end_ddp_and_z3kit(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "z3kit_recipes.bench", "--workload", "tiny", "--world", "2",
-           "--runtimes", "ddp,z3kit", "--warmup", "0", "--steps", "2", "--probe-steps", "1",
+           "--runtimes", "ddp,z3kit,fsdp_blocks", "--warmup", "0", "--steps", "2", "--probe-steps", "1",
            "--threads", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -222,3 +222,8 @@ def test_tiny_end_to_end_ddp_and_z3kit(tmp_path: Path) -> None:
     engine_memory = z3["engine_stats"]["memory"]
     assert engine_memory["peak_total_bytes"] > 0 and "param_shards" in engine_memory["current_bytes"]
     assert "train/DDP" in proc.stdout
+    blocks = case["runtimes"]["fsdp_blocks"]
+    assert blocks["status"] == "ok", blocks.get("note")
+    assert len(blocks["losses"]) == 2 and blocks["loss_max_abs_diff_vs_ddp"] <= 1e-5
+    # the gradients went through per-block reduce-scatters, by its own log
+    assert blocks["engine_collectives_per_step"]["reduce_scatter"] > 0

@@ -89,6 +89,31 @@ def test_from_param_shards_and_releases_locally() -> None:
     assert half.shard.dtype == torch.bfloat16
 
 
+def test_from_param_into_one_flat_buffer_gathers_without_concatenation() -> None:
+    """``out=``: shards live back to back in one buffer (a unit of a runtime);
+    a coalesced gather then reads that buffer as one view, no concatenation."""
+    params = [_param(i, shape) for i, shape in enumerate([(7, 3), (3,), (5, 1)])]
+    fulls = [p.detach().clone() for p in params]
+    world, rank = 4, 1
+    sizes = [shard_numel_for(p.numel(), world) for p in params]
+    flat = torch.full((sum(sizes),), float("nan"))
+    shards = [ParamShard.from_param(p, rank, world, out=v) for p, v in zip(params, flat.split(sizes))]
+    for s, full in zip(shards, fulls):
+        assert s.shard.data_ptr() >= flat.data_ptr() and s.status is ParamStatus.NOT_AVAILABLE
+        assert torch.equal(s.shard, partition_of(full.reshape(-1), rank, world))
+    assert not flat.isnan().any(), "every element, padding included, was written"
+    from z3kit.shard import _adjacent_view
+
+    view = _adjacent_view(shards)
+    assert view is not None and view.data_ptr() == flat.data_ptr() and view.numel() == flat.numel()
+    with pytest.raises(ValueError, match="elements"):
+        ParamShard.from_param(_param(5, (7, 3)), rank, world, out=torch.empty(5))
+    with pytest.raises(ValueError, match="contiguous flat"):
+        ParamShard.from_param(_param(5, (7, 3)), rank, world, out=torch.empty(12)[::2])
+    with pytest.raises(TypeError, match="dtype"):
+        ParamShard.from_param(_param(5, (7, 3)), rank, world, torch.float64, out=torch.empty(6))
+
+
 def test_param_shard_rejects_bad_inputs() -> None:
     with pytest.raises(TypeError, match="expected a torch.nn.Parameter, got Tensor"):
         ParamShard.from_param(torch.ones(3), rank=0, world=1)  # type: ignore[arg-type]

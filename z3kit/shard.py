@@ -112,9 +112,21 @@ class ParamShard:
 
     @classmethod
     def from_param(
-        cls, param: torch.nn.Parameter, rank: int, world: int, dtype: torch.dtype | None = None
+        cls,
+        param: torch.nn.Parameter,
+        rank: int,
+        world: int,
+        dtype: torch.dtype | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> ParamShard:
-        """Shard ``param`` (whose data must be full) and release it."""
+        """Shard ``param`` (whose data must be full) and release it.
+
+        ``out``: where the shard lives, a contiguous flat tensor of
+        ``shard_numel_for(param.numel(), world)`` elements (default: a new
+        one). A runtime that hands each parameter of a unit a slice of one
+        flat buffer, back to back, gets coalesced gathers without a
+        concatenation copy (``gather_shards`` sees the shards are adjacent)."""
         if not isinstance(param, torch.nn.Parameter):
             raise TypeError(f"expected a torch.nn.Parameter, got {type(param).__name__}")
         if not 0 <= rank < world:
@@ -122,7 +134,15 @@ class ParamShard:
         full = param.detach().reshape(-1)
         if dtype is not None:
             full = full.to(dtype)
-        shard = cls(param, param.shape, param.numel(), rank, world, partition_of(full, rank, world))
+        if out is None:
+            out = partition_of(full, rank, world)
+        else:
+            if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
+                raise ValueError("out must be a contiguous flat tensor")
+            if dtype is not None and out.dtype != dtype:
+                raise TypeError(f"out has dtype {out.dtype}, but dtype {dtype} was asked for")
+            fill_partition(out, full, rank, world)  # checks out's size
+        shard = cls(param, param.shape, param.numel(), rank, world, out)
         shard.release()
         return shard
 

@@ -10,9 +10,11 @@ from z3kit_recipes.models import TieMode
 
 JSON = dict[str, Any]
 
-RuntimeName = Literal["ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent"]
+RuntimeName = Literal[
+    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent", "fsdp_blocks"
+]
 RUNTIMES: Final[tuple[RuntimeName, ...]] = (
-    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent",
+    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent", "fsdp_blocks",
 )
 #: what ``--runtimes`` runs when not given (z3kit-divergent measures an opt-in mode's price: ask for it)
 DEFAULT_RUNTIMES: Final[tuple[RuntimeName, ...]] = tuple(r for r in RUNTIMES if r != "z3kit-divergent")
@@ -28,6 +30,8 @@ RUNTIME_DESCRIPTIONS: Final[dict[RuntimeName, str]] = {
                     "and live-parameter knobs",
     "z3kit-divergent": "z3kit zero3 with Zero3Config(divergent_graphs=True): every gather a round "
                        "in which the ranks agree on what to gather (the price of rank-divergent graphs)",
+    "fsdp_blocks": "z3kit fsdp_blocks: sharded by the workload's blocks (as fsdp2), static prefetch of "
+                   "the next block, per-block reduce-scatter",
 }
 
 #: Adam's learning rate in every runtime

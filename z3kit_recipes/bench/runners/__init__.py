@@ -102,6 +102,10 @@ def build_runner(spec: RunSpec, wl: Workload, group: dist.ProcessGroup) -> Runne
         from z3kit_recipes.bench.runners.deepspeed_zero3 import DeepSpeedRunner
 
         return DeepSpeedRunner(wl, spec.world, spec.zero, compiled=compiled)
+    if spec.runtime == "fsdp_blocks":
+        from z3kit_recipes.bench.runners.fsdp_blocks import FsdpBlocksRunner
+
+        return FsdpBlocksRunner(wl, group, compiled=compiled)
     from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, budget_config, shared_config
 
     config = budget_config(spec.zero, spec.budget) if spec.runtime == "z3kit-budget" else shared_config(spec.zero)
@@ -123,6 +127,7 @@ RUNTIME_MODULES: dict[RuntimeName, tuple[str, ...]] = {
     "z3kit": ("z3kit_recipes.zero3",),
     "z3kit-budget": ("z3kit_recipes.zero3",),
     "z3kit-divergent": ("z3kit_recipes.zero3",),
+    "fsdp_blocks": ("z3kit_recipes.fsdp_blocks",),
 }
 
 
@@ -156,4 +161,8 @@ def unavailable_reason(runtime: RuntimeName) -> str:
         _, why = _import_optional("z3kit_recipes.zero3")
         if why:
             return f"z3kit_recipes.zero3 not importable ({why})"
+    elif runtime == "fsdp_blocks":
+        _, why = _import_optional("z3kit_recipes.fsdp_blocks")
+        if why:
+            return f"z3kit_recipes.fsdp_blocks not importable ({why})"
     return ""
