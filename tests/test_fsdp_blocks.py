@@ -198,6 +198,29 @@ def test_next_block_is_gathered_while_this_one_runs(pools: Any, world: int) -> N
     assert off["backward"] == [ag, rs, ag, rs, ag, rs]
 
 
+def train_and_drop(ctx: Any) -> dict[str, bool]:
+    """One training step, then the engine is dropped: it must be freed with its
+    shards (``z3kit.grad_hooks``: the parameters' gradient hooks hold it weakly)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = WORKLOADS["mlp"].build()
+    engine = fsdp_blocks.initialize(model, lambda ps: torch.optim.Adam(ps, lr=0.1), blocks=list(model.layers),
+                                    process_group=ctx.group)
+    engine.backward(engine(torch.randn(4, 7)).sum())
+    engine.step()
+    engine_ref, flat_refs = weakref.ref(engine), [weakref.ref(u.flat) for u in engine.blocks]
+    del engine, model
+    gc.collect()
+    return {"engine": engine_ref() is not None, "shards": any(r() is not None for r in flat_refs)}
+
+
+def test_a_dropped_engine_is_freed(pools: Any) -> None:
+    for r in pools.run(2, train_and_drop):
+        assert r == {"engine": False, "shards": False}, r
+
+
 # --------------------------------------------------------------------------- #
 # Refusals, before anything changes
 # --------------------------------------------------------------------------- #

@@ -29,6 +29,7 @@ from torch import nn
 
 from z3kit.collectives import CollectiveLog, Pending, all_reduce, broadcast
 from z3kit.flat_bucket import BucketFlush
+from z3kit.grad_hooks import on_grad_accumulated
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.streams import stream_pair_for
@@ -75,7 +76,7 @@ class BlocksEngine:
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
         for u, i in trainable:
-            u.shards[i].param.register_post_accumulate_grad_hook(self._grad_ready)
+            on_grad_accumulated(u.shards[i].param, self._grad_ready)
 
     @property
     def units(self) -> list[Unit]:

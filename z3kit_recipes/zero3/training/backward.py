@@ -19,13 +19,13 @@ Note: the module hooks are made here.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence, Set
 
 import torch
 
 from torch import nn
 
+from z3kit.grad_hooks import on_grad_accumulated
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
@@ -92,7 +92,7 @@ class BackwardPass:
         """Hand the gradients of ``pids`` to the reducer as they become ready
         (a leaf unit's parameters are handed over by the unit)."""
         self._grad_handles += [
-            self.shards[pid].param.register_post_accumulate_grad_hook(self._grad_hook(pid))
+            on_grad_accumulated(self.shards[pid].param, self._on_grad_ready, pid)
             for pid in pids
             if pid not in self.leaf_params
         ]
@@ -102,18 +102,9 @@ class BackwardPass:
         """A backward of ours is under way (its epilogue is queued)."""
         return self._queued
 
-    def _grad_hook(self, pid: int) -> Callable[[torch.Tensor], None]:
-        # a weak reference: torch keeps a parameter's post-accumulate-grad hooks where the
-        # garbage collector does not look, so a hook holding this pass would keep a dropped
-        # engine, with its shards, buffers and optimizer state, alive for good
-        this = weakref.ref(self)
-
-        def on_grad_ready(param: torch.Tensor) -> None:
-            live = this()
-            if live is not None and param.grad is not None:
-                live._hand_over(pid, param, param.grad)
-
-        return on_grad_ready
+    def _on_grad_ready(self, param: torch.Tensor, pid: int) -> None:
+        if param.grad is not None:
+            self._hand_over(pid, param, param.grad)
 
     def _hand_over(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         """A full gradient is ready: into the reducer, out of ``param.grad``."""
