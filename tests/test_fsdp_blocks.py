@@ -198,6 +198,55 @@ def test_next_block_is_gathered_while_this_one_runs(pools: Any, world: int) -> N
     assert off["backward"] == [ag, rs, ag, rs, ag, rs]
 
 
+def run_under_nccl_semantics(ctx: Any, name: str) -> dict[str, Any]:
+    """``CASES[name]`` trained by fsdp_blocks on a ``z3sim`` group (NCCL's
+    waiting semantics, ``tests.accelerator_double``) with a recording stream
+    pair, next to DDP on gloo: every violation, the engine's host syncs, and
+    the losses and parameters of both runs."""
+    from tests import accelerator_double as double
+    from z3kit.stream_check import RecordingStreamPair, StreamOrderChecker
+
+    case, wl = CASES[name], WORKLOADS[CASES[name].workload]
+    checker = StreamOrderChecker()
+    with double.DOUBLE.observing(checker, strict=False) as seen:
+        torch.manual_seed(1000 + case.seed)
+        model = wl.build()
+        ref = DDPReference(ctx, copy.deepcopy(model), case)
+        engine = fsdp_blocks.initialize(
+            model, lambda ps: make_optimizer(case.optimizer, ps, case.lr), blocks=BLOCKS[case.workload](model),
+            process_group=double.new_group(list(range(ctx.world))), config=BlocksConfig(**case.config),
+            streams=RecordingStreamPair(checker, device=torch.device("cpu")),
+        )
+        losses, ref_losses = [], []
+        for step in range(case.steps):
+            batch = wl.batch(ctx.rank, step, 0, 0)
+            with seen.counting():
+                loss = wl.loss(engine, batch, step)
+                engine.backward(loss)
+                engine.step()
+            losses.append(float(loss.detach()))
+            ref_losses.append(ref.micro_step([batch], step, 0))
+            ref.step()
+        params, ref_params = engine.full_state_dict(), ref.params()
+    # the optimizer reading its step counters is no sync: they stay on the host on an accelerator too
+    engine_syncs = {k: n for k, n in seen.syncs.by_site().items()
+                    if ("fsdp_blocks/" in k or " at z3kit/" in k) and "via torch/optim/" not in k}
+    return {"violations": list(seen.violations), "syncs": engine_syncs, "losses": losses, "ref_losses": ref_losses,
+            "params": params, "ref_params": ref_params}
+
+
+@pytest.mark.parametrize("name", ["gpt_hf_tied", "clipping", "hf_llama"])
+def test_nccl_semantics_no_host_sync_and_parity(pools: Any, name: str) -> None:
+    """No timed or host-blocking wait on a collective, no buffer outside its
+    ticket, no host sync in the engine's forward, backward and step."""
+    for rank, r in enumerate(pools.run(2, run_under_nccl_semantics, name)):
+        assert r["violations"] == [], f"rank {rank}: {r['violations'][:3]}"
+        assert r["syncs"] == {}, f"rank {rank}: host syncs in the engine: {r['syncs']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        for n, p in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][n], p, rtol=1e-5, atol=1e-5, msg=n)
+
+
 def train_and_drop(ctx: Any) -> dict[str, bool]:
     """One training step, then the engine is dropped: it must be freed with its
     shards (``z3kit.grad_hooks``: the parameters' gradient hooks hold it weakly)."""

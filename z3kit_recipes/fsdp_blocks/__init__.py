@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from z3kit.streams import StreamPairLike
 from z3kit_recipes.fsdp_blocks.config import BlocksConfig
 from z3kit_recipes.fsdp_blocks.engine import BlocksEngine, OptimizerFactory
 from z3kit_recipes.fsdp_blocks.plan import BlockSpec, make_plan
@@ -31,6 +32,7 @@ def initialize(
     blocks: Sequence[BlockSpec],
     process_group: dist.ProcessGroup,
     config: BlocksConfig | None = None,
+    streams: StreamPairLike | None = None,
 ) -> BlocksEngine:
     """Shard ``model`` by ``blocks`` over ``process_group``; ``optimizer`` gets
     this rank's fp32 shards. Every argument is checked before the model is touched."""
@@ -44,4 +46,4 @@ def initialize(
     if not isinstance(config, BlocksConfig):
         raise TypeError(f"config must be a BlocksConfig, got {type(config).__name__}")
     plan = make_plan(model, blocks)
-    return BlocksEngine(model, plan, optimizer, process_group, config)
+    return BlocksEngine(model, plan, optimizer, process_group, config, streams)

@@ -32,7 +32,7 @@ from z3kit.flat_bucket import BucketFlush
 from z3kit.grad_hooks import on_grad_accumulated
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
-from z3kit.streams import stream_pair_for
+from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit_recipes.fsdp_blocks.config import BlocksConfig
 from z3kit_recipes.fsdp_blocks.plan import Plan
 from z3kit_recipes.fsdp_blocks.unit import Unit
@@ -44,12 +44,14 @@ class BlocksEngine:
     """A model sharded by blocks; call it as the model, then ``backward`` and ``step``."""
 
     def __init__(
-        self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory, group: dist.ProcessGroup, config: BlocksConfig
+        self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory, group: dist.ProcessGroup, config: BlocksConfig,
+        streams: StreamPairLike | None = None,
     ) -> None:
         self.module, self.config, self.group = model, config, group
         self.world = dist.get_world_size(group)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.streams = stream_pair_for(device)
+        #: compute and communication streams (a recording pair in tests)
+        self.streams = stream_pair_for(device) if streams is None else streams
         self.log = CollectiveLog()
         for p in model.parameters():  # rank 0's values everywhere, as DDP starts
             self._run(p.data, lambda t: broadcast(t, 0, group, async_op=True, log=self.log))
