@@ -7,8 +7,9 @@ from z3kit.collectives import CollectiveKind, CollectiveLog, Pending, all_gather
 from z3kit.device import DeviceInfo, accelerator_type, backend_for, resolve_device
 from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
-from z3kit.hooks import HookActions, ModuleHooks, in_backward, iter_tensors, map_tensors
+from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.leaf import LeafModuleHook
+from z3kit.nested import iter_tensors, map_tensors
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePolicy
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards, partition_of, shard_numel_for

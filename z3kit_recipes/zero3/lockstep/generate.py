@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from z3kit.hooks import map_tensors
+from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.core import EngineCore
 
 

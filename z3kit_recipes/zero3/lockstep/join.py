@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from z3kit.collectives import all_gather
-from z3kit.hooks import iter_tensors
+from z3kit.nested import iter_tensors
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.runtime.root_hooks import Arguments
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit.hooks import in_backward, iter_tensors
+from z3kit.hooks import in_backward
+from z3kit.nested import iter_tensors
 from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus
 from z3kit.trace import TraceRecorder, TraceState
