@@ -247,6 +247,42 @@ def test_nccl_semantics_no_host_sync_and_parity(pools: Any, name: str) -> None:
             torch.testing.assert_close(r["params"][n], p, rtol=1e-5, atol=1e-5, msg=n)
 
 
+def backward_raises_then_trains(ctx: Any) -> dict[str, Any]:
+    """A backward raises half-way (a gradient hook of the user's); the next
+    forward, backward and step run as usual: everything is released after
+    them and the parameters moved."""
+    torch.manual_seed(0)
+    model = WORKLOADS["mlp"].build()
+    engine = fsdp_blocks.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), blocks=list(model.layers),
+                                    process_group=ctx.group)
+    fail = [True]
+
+    def raise_once(grad: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            fail[0] = False
+            raise ValueError("a user's hook failed")
+        return grad
+
+    model.layers[1].register_forward_hook(lambda m, a, out: out.register_hook(raise_once) and None)
+    x = torch.randn(4, 7)
+    caught = ""
+    try:
+        engine.backward(engine(x).square().sum())
+    except ValueError as e:
+        caught = str(e)
+    before = engine.full_state_dict()
+    engine.backward(engine(x).square().sum())
+    engine.step()
+    after = engine.full_state_dict()
+    return {"caught": caught, "gathered": engine.gathered_numel(),
+            "moved": all(not torch.equal(before[n], after[n]) for n in before)}
+
+
+def test_a_backward_that_raised_does_not_stop_the_next(pools: Any) -> None:
+    for r in pools.run(2, backward_raises_then_trains):
+        assert r == {"caught": "a user's hook failed", "gathered": 0, "moved": True}, r
+
+
 def train_and_drop(ctx: Any) -> dict[str, bool]:
     """One training step, then the engine is dropped: it must be freed with its
     shards (``z3kit.grad_hooks``: the parameters' gradient hooks hold it weakly)."""

@@ -89,7 +89,16 @@ class BlocksEngine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException:
+            # autograd never ran the end-of-backward callback: forget the backward's
+            # progress so that the next one queues its own (its reductions still run)
+            self._queued = False
+            self.hooks.reset()
+            for u in self.units:
+                u.arrived, u.reduced = 0, False
+            raise
 
     # -- forward ----------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
