@@ -44,6 +44,9 @@ BLOCKS: dict[str, Callable[[Any], list[Any]]] = {
     "gpt_hf": lambda m: [Block, m.lm_head],
     "hf_gpt2": _gpt2_blocks,
     "hf_llama": lambda m: list(m.model.layers),
+    # blocks run under torch.utils.checkpoint: gathered again for their recomputation in backward
+    "ckpt_reentrant": lambda m: [m.inp, *m.blocks, m.head],
+    "ckpt_nonreentrant": lambda m: [m.inp, *m.blocks, m.head],
 }
 
 
@@ -116,11 +119,14 @@ CASES = {
     "clipping": Case("mlp", {"gradient_clipping": 0.5}, clip=0.5),
     "clipping_accumulation": Case("gpt_hf", {"gradient_clipping": 0.25, "gradient_accumulation_steps": 2},
                                   clip=0.25, accumulation=2, steps=5),
+    "checkpoint_reentrant": Case("ckpt_reentrant"),
+    "checkpoint_nonreentrant": Case("ckpt_nonreentrant"),
 }
 #: which worlds each case runs at: every case at 2, and each of 1, 3 and 4 by several
 WORLDS = {
     "mlp": [1, 2, 3, 4], "gpt_hf_tied": [1, 2, 3, 4], "hf_gpt2_tied": [2, 4], "hf_llama": [2, 3],
     "frozen": [2, 3], "accumulation": [1, 4], "clipping": [2, 3], "clipping_accumulation": [4],
+    "checkpoint_reentrant": [2], "checkpoint_nonreentrant": [2],
 }
 
 
