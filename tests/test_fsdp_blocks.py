@@ -22,6 +22,7 @@ from torch import nn
 
 from tests.zero3_models import (
     WORKLOADS, Block, Case, DDPReference, FrozenModel, PairResult, TinyTransformer, assert_pair, make_optimizer,
+    train_steps,
 )
 from z3kit.collectives import CollectiveKind
 from z3kit.shard import ParamStatus
@@ -51,8 +52,8 @@ BLOCKS: dict[str, Callable[[Any], list[Any]]] = {
 
 
 def train_blocks(ctx: Any, case: Case, blocks: str = "") -> PairResult:
-    """``case`` trained by fsdp_blocks and by DDP side by side (``build_pair`` +
-    ``train_steps`` of the zero3 suites, for this runtime)."""
+    """``case`` trained by fsdp_blocks and by DDP side by side (the zero3
+    suites' ``build_pair`` for this runtime, then their ``train_steps``)."""
     wl = WORKLOADS[case.workload]
     torch.manual_seed(1000 + case.seed)
     model = wl.build()
@@ -61,19 +62,8 @@ def train_blocks(ctx: Any, case: Case, blocks: str = "") -> PairResult:
         model, lambda ps: make_optimizer(case.optimizer, ps, case.lr),
         blocks=BLOCKS[blocks or case.workload](model), process_group=ctx.group, config=BlocksConfig(**case.config),
     )
-    res = PairResult([], [], [], {}, {}, [], [], None, [], 0)
-    for step in range(case.steps):
-        for micro in range(case.accumulation):
-            batches = [wl.batch(ctx.rank, step, micro, k) for k in range(case.forwards)]
-            loss = sum(wl.loss(engine, b, step) for b in batches)
-            assert isinstance(loss, torch.Tensor)
-            engine.backward(loss)
-            res.stepped.append(engine.step())
-            res.engine_losses.append(float(loss.detach()))
-            res.ddp_losses.append(ref.micro_step(batches, step, micro))
-        res.ddp_norms.append(ref.step())
-        res.engine_norms.append(None if engine.last_grad_norm is None else float(engine.last_grad_norm))
-        res.gathered_after_step.append(engine.gathered_numel())
+    res = train_steps(ctx, engine, ref, case, range(case.steps), PairResult([], [], [], {}, {}, [], [], None, [], 0),
+                      grad_norm=lambda e: None if e.last_grad_norm is None else float(e.last_grad_norm))
     res.engine_params = engine.full_state_dict()
     res.ddp_params = ref.params()
     res.extra = {

@@ -676,9 +676,11 @@ def train_steps(
     steps: range,
     res: PairResult,
     after_step: Callable[[int], None] | None = None,
+    grad_norm: Callable[[Any], float | None] = lambda engine: engine.stats().last_grad_norm,
 ) -> PairResult:
     """Optimizer steps ``steps`` of ``case`` on both runs, recorded in ``res``;
-    ``after_step(step)`` runs after each."""
+    ``after_step(step)`` runs after each; ``grad_norm(engine)`` is the norm
+    the engine clipped by in its last step (another runtime reads it elsewhere)."""
     wl = WORKLOADS[case.workload]
     for step in steps:
         for micro in range(case.accumulation):
@@ -688,7 +690,7 @@ def train_steps(
             res.stepped.append(stepped)
             res.ddp_losses.append(ref.micro_step(batches, step, micro))
         res.ddp_norms.append(ref.step())
-        res.engine_norms.append(engine.stats().last_grad_norm)
+        res.engine_norms.append(grad_norm(engine))
         res.gathered_after_step.append(engine.gathered_numel())
         if after_step is not None:
             after_step(step)

@@ -96,3 +96,10 @@ class GradPartitionBuffer:
     def new_window(self) -> None:
         """Start a new accumulation window (after an optimizer step)."""
         self._has_grad = [False] * len(self.views)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor gradient clipping scales by, ``min(1, max_norm / (norm + 1e-6))``
+    as ``torch.nn.utils.clip_grad_norm_`` computes it, kept on the device: the
+    factor is applied whatever its value, so the host never reads the norm."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

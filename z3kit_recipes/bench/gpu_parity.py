@@ -34,7 +34,8 @@ import attrs
 import torch
 from torch import nn
 
-from z3kit_recipes.bench.gpu_rank import RankContext, Section, adam, each_case
+from z3kit_recipes.bench.gpu_rank import RankContext, Section, each_case
+from z3kit_recipes.bench.runners import adam
 from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import initialize

@@ -30,7 +30,8 @@ from torch.overrides import TorchFunctionMode
 
 import z3kit_recipes
 from z3kit.host_sync import SYNCING_CALLS, HostSyncCounter
-from z3kit_recipes.bench.gpu_rank import RankContext, Section, adam, each_case
+from z3kit_recipes.bench.gpu_rank import RankContext, Section, each_case
+from z3kit_recipes.bench.runners import adam
 from z3kit_recipes.bench.rss import memory_probe
 from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from z3kit_recipes.bench.runners.z3kit_zero3 import shared_config
-from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON, LR
+from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON
 from z3kit_recipes.launch import leave_together, use_bytecode_cache
 from z3kit_recipes.models import GPTConfig, GPTWorkload, LlamaWorkload, Workload
 from z3kit_recipes.zero3 import Zero3Config
@@ -168,11 +168,6 @@ class RankContext:
         gc.collect()
         if self.device.type != "cpu":
             torch.get_device_module(self.device.type).empty_cache()
-
-
-def adam(params: Any) -> torch.optim.Optimizer:
-    """The optimizer of every run: ``torch.optim.Adam`` at the bench's learning rate."""
-    return torch.optim.Adam(params, lr=LR)
 
 
 def error_result(exc: BaseException) -> JSON:

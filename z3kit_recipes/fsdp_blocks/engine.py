@@ -30,7 +30,7 @@ from torch import nn
 from z3kit.collectives import CollectiveLog, Pending, all_reduce, broadcast
 from z3kit.flat_bucket import BucketFlush
 from z3kit.grad_hooks import on_grad_accumulated
-from z3kit.grad_partition import GradPartitionBuffer
+from z3kit.grad_partition import GradPartitionBuffer, clip_coefficient
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit_recipes.fsdp_blocks.config import BlocksConfig
@@ -186,7 +186,7 @@ class BlocksEngine:
             squared = self.grads.squared_norm()
             self._run(squared, lambda t: all_reduce(t, self.group, async_op=True, log=self.log))
             norm = squared.sqrt()
-            self.grads.scale_((self.config.gradient_clipping / (norm + 1e-6)).clamp(max=1.0))
+            self.grads.scale_(clip_coefficient(norm, self.config.gradient_clipping))
             self.last_grad_norm = norm
         for master, grad in zip(self.masters, self.grads.optimizer_grads()):
             master.grad = grad

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from z3kit_recipes.bench.spec import JSON, RuntimeName, RunSpec
+from z3kit_recipes.bench.spec import JSON, LR, RuntimeName, RunSpec
 from z3kit_recipes.models import Workload
 
 
@@ -77,6 +77,11 @@ class Runner(Protocol):
     def engine_collectives(self) -> dict[str, int] | None:
         """Collective calls per kind in the last step, by the runtime's own count."""
         ...
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of every run: ``torch.optim.Adam`` at the bench's learning rate."""
+    return torch.optim.Adam(params, lr=LR)
 
 
 def engine_step(engine: Any, wl: Workload, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

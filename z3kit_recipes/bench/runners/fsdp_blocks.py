@@ -3,14 +3,12 @@ workload's blocks, as FSDP2 is here, with the static prefetch plan."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from z3kit_recipes import fsdp_blocks
-from z3kit_recipes.bench.runners import CompileSpec, engine_step
-from z3kit_recipes.bench.spec import JSON, LR
+from z3kit_recipes.bench.runners import CompileSpec, adam, engine_step
+from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 
 
@@ -21,11 +19,7 @@ class FsdpBlocksRunner:
         self.wl = wl
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
-
-        def make_optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(params, lr=LR)
-
-        self.engine = fsdp_blocks.initialize(model, make_optimizer, blocks=wl.blocks(model), process_group=group)
+        self.engine = fsdp_blocks.initialize(model, adam, blocks=wl.blocks(model), process_group=group)
         if compiled is not None:  # after sharding, as FSDP2 is compiled after fully_shard
             compiled.apply(wl, model)
 

@@ -9,8 +9,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit_recipes.bench.runners import CompileSpec, engine_step
-from z3kit_recipes.bench.spec import JSON, LR
+from z3kit_recipes.bench.runners import CompileSpec, adam, engine_step
+from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
@@ -43,11 +43,7 @@ class Z3kitRunner:
         self.total_params = sum(p.numel() for p in model.parameters())
         if compiled is not None:  # before initialize: each compiled block becomes one fetch unit
             compiled.apply(wl, model)
-
-        def make_optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(params, lr=LR)
-
-        self.engine = initialize(model, optimizer=make_optimizer, config=config, process_group=group)
+        self.engine = initialize(model, optimizer=adam, config=config, process_group=group)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return engine_step(self.engine, self.wl, x, y)

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence, Set
 
 import torch
-
 from torch import nn
 
 from z3kit.grad_hooks import on_grad_accumulated

@@ -61,6 +61,7 @@ import torch
 
 from z3kit.collectives import CollectiveLog, ProcessGroup, all_reduce
 from z3kit.flat_bucket import FlatBucket, ReduceMode
+from z3kit.grad_partition import clip_coefficient
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.shard import ParamShard
 from z3kit.streams import StreamPairLike
@@ -300,13 +301,11 @@ class GradReducer:
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the partitions so the global gradient norm is at most
-        ``max_norm``; returns the norm before clipping. All on the device,
-        as ``torch.nn.utils.clip_grad_norm_`` does: the scale is
-        ``min(1, max_norm / (norm + 1e-6))``, applied whatever its value,
-        so the host never reads the norm."""
+        ``max_norm``; returns the norm before clipping. All on the device
+        (``z3kit.grad_partition.clip_coefficient``)."""
         squared = self.window.squared_norm().reshape(1).to(torch.float32)
         pending = all_reduce(squared, self.group, async_op=True, log=self.log)
         self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]
-        self.window.scale_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self.window.scale_(clip_coefficient(norm, max_norm))
         return norm
