@@ -24,6 +24,7 @@ from z3kit.shard import ParamShard, ParamStatus
 from z3kit.stream_check import RecordingStreamPair
 from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.ranks.agreement import StepRecord
+from z3kit_recipes.zero3.step.state import StepState
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
 from z3kit_recipes.zero3.training.params import ParamCoordinator
@@ -58,25 +59,41 @@ def _build(ctx: WorkerContext, *, overlap: bool = True, budget: int = 10_000, re
     agreement = RecordingAgreement()
     coordinator = ParamCoordinator(
         gatherer, fetch_groups(model, params, []), trace=trace, policy=StockReleasePolicy(param_persistence_threshold=0, max_reuse_distance=reuse),
-        record=record, ranks=agreement, timeline=Timeline(),
+        record=record, ranks=agreement, timeline=Timeline(), step=StepState(),
     )
     return dict(model=model, reference=reference, shards=shards, log=log, memory=memory, pair=pair,
                 coordinator=coordinator, agreement=agreement, trace=trace, limiter=limiter)
 
 
+def _begin(c: ParamCoordinator) -> None:
+    """A training forward starts, as the root's pre-forward starts it: the step state, then the traced step."""
+    c.step.start_forward(training=True)
+    c.begin_step()
+    c.step.open_step()
+
+
+def _abort(c: ParamCoordinator) -> None:
+    """The step raised, as the engine aborts it."""
+    c.abort(ranks_broken=False)
+    c.step.abort()
+
+
 def _step(c: ParamCoordinator, layers: list[nn.Module]) -> list[list[str]]:
     """One traced step: forward fetch/exit per layer, then backward in reverse; the status after each fetch."""
     seen = []
-    c.begin_step()
+    _begin(c)
     for layer in layers:
         c.fetch(layer)
         seen.append([s.status.name for s in c.shards])
         c.forward_exit(layer, torch.ones(1, requires_grad=True))
+    c.step.end_forward()
+    c.step.start_backward()
     for layer in reversed(layers):
         c.fetch_for_backward(layer)
         c.release(layer)
     c.finish_schedule()
     c.end_step()
+    c.step.close_step()
     return seen
 
 
@@ -86,7 +103,7 @@ def _lifecycle_worker(ctx: WorkerContext) -> dict[str, Any]:
     layers = list(b["model"])
     out: dict[str, Any] = {}
     with b["pair"].checker.watching():
-        c.begin_step()
+        _begin(c)
         c.fetch(layers[0])
         # gathered, with the values the model was built with
         out["first_values"] = all(
@@ -94,7 +111,7 @@ def _lifecycle_worker(ctx: WorkerContext) -> dict[str, Any]:
         )
         c.forward_exit(layers[0], torch.ones(1, requires_grad=True))
         out["after_exit"] = [s.status.name for s in c.shards]
-        c.abort(ranks_broken=False)  # a step cut short records no trace
+        _abort(c)  # a step cut short records no trace
         log.reset()
         agreement.agreed.clear()
         out["record_step"] = _step(c, layers)  # the trace is recorded here
@@ -107,10 +124,10 @@ def _lifecycle_worker(ctx: WorkerContext) -> dict[str, Any]:
         out["complete_gathers"] = log.calls[CollectiveKind.ALL_GATHER]
         out["complete_agreed"] = list(agreement.agreed)
         # a step that departs from the trace is reported as such
-        c.begin_step()
+        _begin(c)
         c.fetch(layers[2])
         out["left"] = agreement.left
-        c.abort(ranks_broken=False)
+        _abort(c)
         out["after_abort"] = (b["trace"].state.name, [s.status.name for s in c.shards])
         # pins survive release_all
         c.pin([0, 1])

@@ -29,11 +29,10 @@ Note: modules whose inputs need no gradient.
     open, so everything is released by the end of backward at the latest.
 
 Note: why the wrappers return detached tensors.
-    A custom Function that returns an input as-is turns it into a view,
-    and autograd forbids in-place ops on such views (``nn.ReLU(inplace=True)``
-    after a hooked ``Linear`` would fail). A detached alias is an ordinary
-    output: in-place ops work, and version counters are shared, so a bad
-    in-place op is still caught by autograd.
+    A custom Function returning an input as-is makes it a view, on which
+    autograd forbids in-place ops (``nn.ReLU(inplace=True)`` after a hooked
+    ``Linear``). A detached alias is an ordinary output that shares the
+    version counter, so a bad in-place op is still caught.
 
 Note: unused outputs.
     A wrapper's backward gets ``None``, not zeros, for a wrapped tensor that
@@ -53,22 +52,17 @@ Note: chains.
     own, which halves the autograd nodes the hooks add to such a model.
 
 Note: hook bodies run with torch-function dispatch disabled.
-    Wrapping, gathering and releasing are bookkeeping, not the module's
-    computation: a runtime that watches parameter use through a
-    ``TorchFunctionMode`` must not see them, and skipping the Python
-    dispatch of every bookkeeping op keeps the per-module cost low.
+    Wrapping, gathering and releasing are bookkeeping: a runtime watching
+    parameter use through a ``TorchFunctionMode`` must not see them, and
+    skipping their Python dispatch keeps the per-module cost low.
 
 Note: hooks under torch.compile.
     The forward hooks are wrapped in ``torch.compiler.disable``
-    (``outside_graphs``), as FSDP2 wraps its own: torch.compile never traces
-    a hook body (a gather's ``param.data`` swap, a collective, a counter).
-    Where compiled code would call a hook (the hooks of a module inside a
-    compiled region) the graph breaks there and the hook runs eagerly; the
-    hooks of a module compiled on its own (``module.compile()``, or the
-    module given to ``torch.compile``) run outside its compiled forward
-    altogether, so that forward stays one graph. The backward points are
-    autograd nodes created by those hooks, so they run outside compiled
-    graphs as well.
+    (``outside_graphs``), as FSDP2 wraps its own: no hook body (a
+    ``param.data`` swap, a collective, a counter) is ever traced. A hook
+    called from compiled code breaks the graph and runs eagerly; a module
+    compiled on its own runs its hooks outside its compiled forward, which
+    stays one graph. The backward points are nodes those hooks create.
 
 Outputs and inputs may be tensors or any nesting of tuples, lists, dicts,
 dataclasses and namedtuples; only tensors that require grad are wrapped,
@@ -299,9 +293,8 @@ class ModuleHooks:
         return wrapped if changed else None
 
     # -- backward -------------------------------------------------------------
-    # A call is open from its pre-backward to its post-backward and closed
-    # again after it, so that a second backward through a retained graph
-    # (``retain_graph=True``) fires both points again.
+    # A call is open from its pre-backward to its post-backward, then closed:
+    # a second backward through a retained graph fires both points again.
     def _pre_backward(self, call: _Call) -> None:
         if call.open:
             return

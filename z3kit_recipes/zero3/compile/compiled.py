@@ -74,10 +74,10 @@ from torch.nn.modules import module as module_registry
 from z3kit.dynamo import compile_totals, current_function_mode, is_compiled, on_frame_compiled
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.trace import TraceState
+from z3kit_recipes.zero3.step.state import Forward, Phase, StepState
 from z3kit_recipes.zero3.training.hook_plan import compiled_units, fetch_groups
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
-from z3kit_recipes.zero3.training.phase import Phase, TrainingState
 
 
 @attrs.frozen
@@ -135,12 +135,13 @@ class ForwardContext:
         hooks: ModuleHooks,
         coordinator: ParamCoordinator,
         leaves: Iterable[nn.Module],
-        training_state: TrainingState,
+        step: StepState,
     ) -> None:
         self._mode = mode
         self._model, self._hooks, self._coordinator = module, hooks, coordinator
         self._leaves = list(leaves)
-        self._state = training_state
+        #: where the step is; this context sets whether the forward under way learns (``StepState.learning``)
+        self._step = step
         #: the model's modules, listed again after a module registration anywhere
         self._modules: list[nn.Module] | None = None
         #: compiled modules of the model at the last sync, by id
@@ -149,8 +150,6 @@ class ForwardContext:
         self._wrapped: dict[nn.Module, HookActions] = {}
         self._units: tuple[str, ...] = ()
         self._whole_model = False
-        self._training = False
-        self._learning = False
         self._eval_learned = False
         self._stance: Any = None
         #: per compiled-module call in progress: whether its pre-forward popped the mode
@@ -173,18 +172,19 @@ class ForwardContext:
 
     # -- the forward --------------------------------------------------------------------------
     def __enter__(self) -> ForwardContext:
-        # the engine's own test for a traced training step
-        training = self._training = torch.is_grad_enabled() and self._model.training
+        # entered at the start of a root forward (``zero3.runtime.root_hooks``): the step state knows its kind
+        training = self._step.forward is Forward.TRAINING
         self._sync(training)
         self._suspended.clear()
-        self._learning = False
+        step = self._step
+        step.learning = False
         if self._compiled and not torch.compiler.is_compiling():
             self._roll_window()
             if training:
-                self._learning = self._coordinator.trace.state is not TraceState.COMPLETE
+                step.learning = self._coordinator.trace.state is not TraceState.COMPLETE
             else:
-                self._learning = not self._eval_learned
-            if self._learning:
+                step.learning = not self._eval_learned
+            if step.learning:
                 self._eager_forwards += 1
                 self._stance = torch.compiler.set_stance("force_eager")
         self._mode.__enter__()  # type: ignore[no-untyped-call]
@@ -200,15 +200,15 @@ class ForwardContext:
         if self._stance is not None:
             self._stance.__exit__(exc_type, exc, tb)
             self._stance = None
-            if exc is None and not self._training:
+            if exc is None and self._step.forward is not Forward.TRAINING:
                 self._eval_learned = True
-        self._learning = False
+        self._step.learning = False
 
     # -- the mode around compiled modules --------------------------------------------------------
     def _suspend(self) -> None:
         """Pre-forward of a compiled module: pop the mode (unless learning) until its post-forward."""
         popped = False
-        if not self._learning and current_function_mode() is self._mode:
+        if not self._step.learning and current_function_mode() is self._mode:
             self._mode.__exit__(None, None, None)
             popped = True
         self._suspended.append(popped)
@@ -236,13 +236,10 @@ class ForwardContext:
         compiled = tuple(id(m) for m in modules if is_compiled(m))
         if compiled == self._compiled:
             return
-        # only between steps: a training step's first forward before its first fetch
-        # (the trace counts fetches from the step's start), or a forward outside a
+        # only between steps: at the start of the forward that opened a training step
+        # (the trace counts fetches from the step's start), or of a forward outside a
         # training step; else look again at the next forward
-        hooks = self._hooks
-        if hooks.active or hooks.open_modules() or self._state.phase is Phase.BACKWARD:
-            return
-        if (self._coordinator.trace.cursor != 0) if training else (self._state.phase is not Phase.IDLE):
+        if not (self._step.first_forward_of_step if training else self._step.phase is Phase.IDLE):
             return
         self._compiled = compiled
         if compiled and not self._counting:
@@ -303,7 +300,7 @@ class ForwardContext:
 
     def _roll_window(self) -> None:
         """Close the per-step window once an optimizer step was taken since it opened."""
-        step = self._state.global_step
+        step = self._step.global_step
         if step != self._window_step:
             now = self._counts()
             if self._window_step >= 0:

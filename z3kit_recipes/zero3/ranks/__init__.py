@@ -1,11 +1,10 @@
-"""The ranks: agreement, the notice board and its waits (above ``config``).
+"""The ranks: agreement, the notice board and its waits (above ``step``).
 
 - ``agreement``: the step check at the end of every backward and the fetch
   comparisons (``RanksDisagree``);
 - ``rank_watch``: ``RankWatch``, the notice board of one engine and the waits
   that watch it (``RankFailed``); ``watcher``: its thread on backends whose
   waits do not block the host;
-- ``position``: where this rank is in its micro-step, as the board compares it;
 - ``fetch_agreement``: forward fetches that no trace vouches for, agreed;
 - ``uneven``: eval forwards meet on the notice board.
 """

@@ -45,6 +45,7 @@ from z3kit.collectives import ProcessGroup
 from z3kit.peer_watch import PeerWatcher
 from z3kit.sideband import Notice, SideBand, WatchedWait, in_thread
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.step.state import StepState
 
 FAILED = "failed: "
 NOTE = "note: "
@@ -82,20 +83,16 @@ class RankWatch:
         group: ProcessGroup,
         *,
         timeout_s: float,
-        describe: Callable[[], str],
-        position: Callable[[], tuple[int, int]],
+        step: StepState,
         poll_s: float = 0.05,
     ) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
-        self.describe = describe
-        #: (micro-step, forward fetches done; a large number once forward is over)
-        self.position = position
+        #: where this rank is; it holds ``broken``, the message every call raises once the ranks no longer run together
+        self.step = step
         self.timeout_s = timeout_s
         #: LEFT notices read so far, kept for a rendezvous of this rank's own
         self._left: list[tuple[int, tuple[int, int], str]] = []
-        #: the message every call raises once the ranks no longer run together
-        self.broken: str | None = None
         store = process_group.shared_store() if self.world > 1 else None
         self.board: SideBand | None = None
         if store is not None:
@@ -115,6 +112,19 @@ class RankWatch:
         self.own_failures: set[str] = set()
         #: the watcher thread, on backends whose waits do not block the host (``zero3.ranks.watcher``)
         self.watcher: PeerWatcher | None = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why the ranks no longer run together (``StepState.broken``); None while they do."""
+        return self.step.broken
+
+    @broken.setter
+    def broken(self, message: str | None) -> None:
+        self.step.broken = message
+
+    def describe(self) -> str:
+        """Where this rank is, for a message."""
+        return f"at optimizer step {self.step.global_step}, micro-step {self.step.micro_step}"
 
     # -- the waits ---------------------------------------------------------------------
     def wait(self, done: Callable[[float], bool], wait: Callable[[], Any]) -> Any:
@@ -233,7 +243,7 @@ class RankWatch:
     def _on_notices(self, notices: list[Notice]) -> None:
         for n in notices:
             self._remember(n)
-        here = self.position()
+        here = self.step.rank_position()
         passed = [(r, at, what) for r, at, what in self._left if here > at]
         if passed:  # another rank left the trace at a point this one went through as recorded
             r, at, what = passed[0]

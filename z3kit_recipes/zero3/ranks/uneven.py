@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from z3kit.hooks import in_backward, outside_graphs
-from z3kit_recipes.zero3.ranks.position import EVAL_BASE, StepPosition
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.step.position import EVAL_BASE
+from z3kit_recipes.zero3.step.state import StepState
 
 _ADVICE = ("every rank must run the same forwards, since each gathers parameters collectively: for a sample on one "
            "rank call engine.generate(..., rank=0) on every rank; for ranks with different numbers of batches run "
@@ -48,16 +49,13 @@ class EvalMeeting:
         self,
         root: nn.Module,
         watch: RankWatch,
-        position: StepPosition,
+        step: StepState,
         *,
-        micro_step: Callable[[], int],
         gathers_needed: Callable[[], bool],
-        in_training_step: Callable[[], bool],
     ) -> None:
-        self.watch, self.micro_step = watch, micro_step
-        #: where this rank is: the eval forward under way is written there (None: none is)
-        self.position = position
-        self.gathers_needed, self.in_training_step = gathers_needed, in_training_step
+        self.watch, self.gathers_needed = watch, gathers_needed
+        #: where this rank is: the eval forward under way is written into its position
+        self.step = step
         self._counted_at = -1  # the micro-step whose eval forwards ``_count`` counts
         self._count = 0
         self._lockstep = 0
@@ -68,23 +66,23 @@ class EvalMeeting:
 
         @outside_graphs
         def after(module: nn.Module, args: Any, output: Any) -> None:
-            self.position.eval_forward = None
+            self.step.position.eval_forward = None
 
         # prepended: before the root's own fetch, which may gather
         self._handles = [root.register_forward_pre_hook(before, prepend=True), root.register_forward_hook(after)]
 
     def _before_forward(self, root: nn.Module) -> None:
-        self.position.eval_forward = None
-        if (torch.is_grad_enabled() and root.training) or in_backward() or self.in_training_step():
+        self.step.position.eval_forward = None
+        if (torch.is_grad_enabled() and root.training) or in_backward() or self.step.in_step:
             return  # a training forward, a checkpoint recomputation, or inside a step: the step's own checks hold
         if self._lockstep or self.watch.board is None or not self.gathers_needed():
             return
-        micro = self.micro_step()
+        micro = self.step.micro_step
         if micro != self._counted_at:
             self._counted_at, self._count = micro, 0
         position = EVAL_BASE + self._count
         self._count += 1
-        self.position.eval_forward = position
+        self.step.position.eval_forward = position
         self.watch.left_trace((micro, position), f"ran an eval or no_grad forward (#{self._count} since its last "
                                                  f"backward) that the other ranks did not; {_ADVICE}")
 

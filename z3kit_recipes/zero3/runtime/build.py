@@ -37,6 +37,7 @@ from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.ranks.uneven import EvalMeeting
 from z3kit_recipes.zero3.ranks.watcher import start_watcher
 from z3kit_recipes.zero3.runtime.step_stats import StepStats
+from z3kit_recipes.zero3.step.state import StepState
 from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
@@ -47,7 +48,6 @@ from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
 from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
-from z3kit_recipes.zero3.training.phase import Phase, TrainingState
 from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.timeline import Timeline
 from z3kit_recipes.zero3.training.trainable import OptimizerFactory, TrainableWatch
@@ -86,7 +86,7 @@ class EngineParts:
     log: CollectiveLog
     memory: MemoryLedger
     memory_plan: MemoryPlan | None
-    training_state: TrainingState
+    step_state: StepState
     watch: RankWatch
     layout: ShardLayout
     optimizer: torch.optim.Optimizer | None
@@ -123,13 +123,12 @@ def assemble(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
-    log, memory, state = CollectiveLog(), MemoryLedger(), TrainingState()
+    log, memory, state = CollectiveLog(), MemoryLedger(), StepState()
     watch = RankWatch(
         group,
         timeout_s=collective_timeout(config.collective_timeout_s, group),
-        describe=lambda: f"at optimizer step {state.global_step}, micro-step {state.micro_step}",
-        # where this rank is: written by the coordinator and the eval meeting made below (``zero3.ranks.position``)
-        position=state.rank_position,
+        # where this rank is, moved by the parts made below; it holds whether the ranks are broken
+        step=state,
     )
     start_watcher(watch)
 
@@ -166,13 +165,12 @@ def assemble(
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
         gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,
-        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds, position=state.position,
+        timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds, step=state,
     )
     meeting = EvalMeeting(
-        module, watch, state.position, micro_step=lambda: state.micro_step,
+        module, watch, state,
         # a gather in flight (persistent ones refreshed after a step) was issued by every rank alike
         gathers_needed=lambda: any(s.status is ParamStatus.NOT_AVAILABLE for s in layout.shards),
-        in_training_step=lambda: coordinator.tracing or state.phase is not Phase.IDLE,
     )
 
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
@@ -181,7 +179,7 @@ def assemble(
     names = [name for name, _ in named]
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
-        record=record, watch=watch, agreement=agreement, training_state=state,
+        record=record, watch=watch, agreement=agreement, step=state,
         defer_reductions=config.divergent_graphs,
     )
     hooks = backward.hooks
@@ -196,7 +194,7 @@ def assemble(
     )
     return EngineParts(
         module=module, config=config, group=group, device=device, rank=rank, world=world, param_names=names,
-        log=log, memory=memory, memory_plan=memory_plan, training_state=state, watch=watch, layout=layout,
+        log=log, memory=memory, memory_plan=memory_plan, step_state=state, watch=watch, layout=layout,
         optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,

@@ -16,7 +16,7 @@ import torch
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
-from z3kit_recipes.zero3.training.phase import Phase
+from z3kit_recipes.zero3.step.state import Phase
 from z3kit_recipes.zero3.training.timeline import TimelineEvent
 
 
@@ -32,7 +32,9 @@ class EngineCore:
         #: None for an inference-only engine (``initialize(model, optimizer=None)``)
         self.optimizer = parts.optimizer
         self.coordinator, self.reducer, self.limiter = parts.coordinator, parts.reducer, parts.limiter
-        self.trace, self.training_state, self.watch = parts.trace, parts.training_state, parts.watch
+        self.trace, self.watch = parts.trace, parts.watch
+        #: where the engine is in its training step (``zero3.step.state``)
+        self.step_state = parts.step_state
         #: the knobs ``config.memory_budget`` was turned into, when it is set
         self.memory_plan = parts.memory_plan
         #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.runtime.root_hooks``)
@@ -40,15 +42,15 @@ class EngineCore:
 
     @property
     def global_step(self) -> int:
-        return self.training_state.global_step
+        return self.step_state.global_step
 
     @property
     def micro_step(self) -> int:
-        return self.training_state.micro_step
+        return self.step_state.micro_step
 
     @property
     def phase(self) -> Phase:
-        return self.training_state.phase
+        return self.step_state.phase
 
     @property
     def timeline(self) -> list[TimelineEvent]:
@@ -69,11 +71,11 @@ class EngineCore:
         position = self.parts.record.gathers, len(self.parts.record.fetches)
         self.parts.record.clear()
         self.parts.hooks.reset()
-        self.coordinator.abort(ranks_broken=self.watch.broken is not None)
-        self.training_state.phase = Phase.IDLE
+        self.coordinator.abort(ranks_broken=self.step_state.broken is not None)
+        was = self.step_state.abort()
         self.watch.failed_here(what, exc, position)
-        if what == "backward":  # after failed_here: it tells whether every rank failed at this point
-            self.parts.backward.abort(ranks_in_step=self.watch.broken is None)
+        if was is Phase.BACKWARD:  # after failed_here: it tells whether every rank failed at this point
+            self.parts.backward.abort(ranks_in_step=self.step_state.broken is None)
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -86,19 +88,19 @@ class EngineCore:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
         self.forwards.settle()  # before the check: aborting a lost forward may leave the ranks apart
         self.watch.check("backward")
-        before = self.training_state.micro_step
+        before = self.step_state.micro_step
         try:
             self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
             loss.backward()
         except BaseException as exc:
             self._abort("backward", exc)
             raise
-        if self.training_state.micro_step == before:  # nothing in backward reached a hook of ours
+        if self.step_state.micro_step == before:  # nothing in backward reached a hook of ours
             self.parts.backward.end()
 
     # -- optimizer step --------------------------------------------------------------------
     def is_accumulation_boundary(self) -> bool:
-        return self.training_state.micro_step % self.config.gradient_accumulation_steps == 0
+        return self.step_state.micro_step % self.config.gradient_accumulation_steps == 0
 
     def step(self) -> bool:
         """Optimizer step at a gradient-accumulation boundary (returns True),
@@ -106,19 +108,19 @@ class EngineCore:
         self.require_optimizer("step()")
         self.forwards.settle()
         self.watch.check("step()")
-        if not self.training_state.backward_since_step_call:
+        if not self.step_state.backward_since_step_call:
             raise RuntimeError(
                 "step() called without a backward since the last step(): run engine.backward(loss) "
                 "(or loss.backward()) first"
             )
-        self.training_state.micro_at_step_call = self.training_state.micro_step
+        self.step_state.micro_at_step_call = self.step_state.micro_step
         if not self.is_accumulation_boundary():
             return False
         if self.parts.optimizer_step is not None:
             self.parts.backward.before_step()
             self.parts.optimizer_step.run()
         self.coordinator.refresh_persistent()
-        self.training_state.global_step += 1
+        self.step_state.global_step += 1
         self.parts.stats.optimizer_step()
         self.parts.timeline.step_boundary()
         return True
@@ -137,7 +139,7 @@ class EngineCore:
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` inside a forward or backward."""
         self.forwards.settle()
-        if self.parts.hooks.active or self.training_state.phase is Phase.BACKWARD:
+        if self.step_state.busy:
             raise RuntimeError(f"{what} cannot be used inside a forward or backward")
 
     def shards_changed(self) -> None:
@@ -153,12 +155,12 @@ class EngineCore:
 
     def progress(self) -> tuple[int, int]:
         """(optimizer steps taken, backwards completed)."""
-        return self.training_state.global_step, self.training_state.micro_step
+        return self.step_state.global_step, self.step_state.micro_step
 
     def restore_progress(self, global_step: int, micro_step: int, *, window_open: bool) -> None:
         """Counters of a resumed run (``window_open``: backwards since its last optimizer step)."""
-        self.training_state.global_step, self.training_state.micro_step = global_step, micro_step
-        self.training_state.micro_at_step_call = micro_step - 1 if window_open else micro_step
+        self.step_state.global_step, self.step_state.micro_step = global_step, micro_step
+        self.step_state.micro_at_step_call = micro_step - 1 if window_open else micro_step
         if self.parts.optimizer_step is not None:
             self.parts.optimizer_step.measure_state()
 

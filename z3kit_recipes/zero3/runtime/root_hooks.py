@@ -79,7 +79,7 @@ from z3kit.dynamo import is_compile_wrapper, is_compiled
 from z3kit.hooks import in_backward, outside_graphs
 from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.build import EngineParts
-from z3kit_recipes.zero3.training.phase import Phase
+from z3kit_recipes.zero3.step.state import Forward
 
 #: the code of ``nn.Module.__call__``: the frame of a call of the root runs it
 _CALL_CODE = nn.Module.__call__.__code__
@@ -119,14 +119,11 @@ class RootForward:
         self.join: JoinRounds | None = None
         #: this rank's last forward of each kind (training or not): its arguments, repeated in ``engine.join()``
         self.last: dict[bool, Arguments] = {}
-        #: a forward started and not yet finished
-        self._started = False
         #: started by ``engine(x)`` before the call of a root compiled in place, whose pre-forward takes it over
         self._handed = False
         #: the frames of the root's calls under way, outermost first (None where no frame was found)
         self._calls: list[FrameType | None] = []
-        self._training = False
-        #: what the forward entered (the ForwardContext; ``untraced`` for an eval forward)
+        #: what the forward entered (the ForwardContext)
         self._contexts: contextlib.ExitStack | None = None
         #: the exception being handled where the forward was called (see the Note on order)
         self._handled: BaseException | None = None
@@ -145,6 +142,11 @@ class RootForward:
             root.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True),
             root.register_forward_hook(post_forward, with_kwargs=True, always_call=True),
         ]
+
+    @property
+    def _started(self) -> bool:
+        """A forward started and has not finished (``StepState.forward``)."""
+        return self.parts.step_state.forward is not None
 
     # -- engine(x) and the checks of other calls ---------------------------------------------
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -216,21 +218,20 @@ class RootForward:
         dtype = parts.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
-        self._started, self._training, self._handled = True, training, sys.exc_info()[1]
+        parts.step_state.start_forward(training=training)
+        self._handled = sys.exc_info()[1]
         contexts = self._contexts = contextlib.ExitStack()
         try:
             if training:
                 parts.trainable_watch.follow()
                 parts.stats.training_forward()
                 parts.coordinator.begin_step()
-                # in FORWARD before the first collective (the buffers'), so that the
-                # notice board places this rank in its training forward while it waits
-                parts.training_state.phase = Phase.FORWARD
+                # the step is open before the first collective (the buffers'), so that
+                # the notice board places this rank in its training forward while it waits
+                parts.step_state.open_step()
                 if parts.config.broadcast_buffers and parts.world > 1:
                     parts.model_watch.broadcast_buffers(parts.group, parts.log, parts.watch.wait)
             contexts.enter_context(parts.forward_context)
-            if not training:
-                contexts.enter_context(parts.coordinator.untraced())
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -250,14 +251,17 @@ class RootForward:
             self._fail(failed)  # run from torch's except clause: the forward raised
             return
         contexts, self._contexts = self._contexts, None
-        self._started, self._handled = False, None
+        self._handled = None
+        untraced = self.parts.step_state.forward is Forward.UNTRACED
         try:
             if contexts is not None:
                 contexts.close()
         except BaseException as exc:
             self._abort("forward", exc)
             raise
-        if not self._training:
+        finally:
+            self.parts.step_state.end_forward()
+        if untraced:
             self.parts.coordinator.finish_rounds()
             self.parts.coordinator.release_all()
 
@@ -265,12 +269,12 @@ class RootForward:
         """The forward under way raised ``exc``: leave its contexts, abort it (once: it is over)."""
         self._calls.clear()
         contexts, self._contexts = self._contexts, None
-        self._started, self._handed, self._handled = False, False, None
+        self._handed, self._handled = False, None
         try:
             if contexts is not None:
                 contexts.__exit__(type(exc), exc, exc.__traceback__)
         finally:
-            self._abort("forward", exc)
+            self._abort("forward", exc)  # the step state is aborted with the forward
 
 
 def starts_compiled(root: nn.Module) -> bool:

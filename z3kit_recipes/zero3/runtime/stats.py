@@ -74,8 +74,8 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
     last = parts.stats.last
     step = parts.optimizer_step
     return Zero3Stats(
-        global_step=parts.training_state.global_step,
-        micro_step=parts.training_state.micro_step,
+        global_step=parts.step_state.global_step,
+        micro_step=parts.step_state.micro_step,
         model_numel=sum(s.numel for s in layout.shards),
         resident_param_numel=storage_bytes(s.shard for s in layout.shards) // layout.flat.element_size(),
         resident_master_numel=0 if layout.masters_are_shards else storage_bytes(layout.masters) // 4,  # fp32

@@ -13,5 +13,5 @@ the design notes, built and tested on its own.
   ``backward`` (the ``BackwardPass`` and the module hooks),
   ``backward_once``, ``step_checks``, ``optim_step``, ``trainable``
   (unfreezing);
-- around them: ``phase`` (``TrainingState``), ``timeline``, ``model_watch``.
+- around them: ``timeline``, ``model_watch``.
 """

@@ -31,10 +31,10 @@ from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
 from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.step.state import Phase, StepState
 from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.params import ParamCoordinator
-from z3kit_recipes.zero3.training.phase import Phase, TrainingState
 from z3kit_recipes.zero3.training.step_checks import StepChecks
 
 
@@ -53,13 +53,14 @@ class BackwardPass:
         record: StepRecord,
         watch: RankWatch,
         agreement: FetchAgreement,
-        training_state: TrainingState,
+        step: StepState,
         defer_reductions: bool,
     ) -> None:
         self.shards, self.names, self.trainable = shards, names, trainable
         self.coordinator, self.reducer, self.record = coordinator, reducer, record
-        self.watch, self.agreement, self.training_state = watch, agreement, training_state
-        self._queued = False
+        self.watch, self.agreement = watch, agreement
+        #: where the step is: the backward opens and closes it
+        self.step = step
         #: what the module hooks do (see the Note): a leaf unit's root gets the unit's version of them
         self.actions = HookActions(
             pre_forward=coordinator.fetch, post_forward=coordinator.forward_exit,
@@ -82,7 +83,7 @@ class BackwardPass:
         self.check_s = 0.0
         #: the step checks in flight and what they taught (``zero3.training.step_checks``)
         self.checks = None if reducer is None else StepChecks(
-            reducer, watch, agreement.device, names, global_step=lambda: training_state.global_step,
+            reducer, watch, agreement.device, names, global_step=lambda: step.global_step,
             defer_all=defer_reductions)
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
         self.watch_gradients(trainable)
@@ -95,11 +96,6 @@ class BackwardPass:
             for pid in pids
             if pid not in self.leaf_params
         ]
-
-    @property
-    def running(self) -> bool:
-        """A backward of ours is under way (its epilogue is queued)."""
-        return self._queued
 
     def _on_grad_ready(self, param: torch.Tensor, pid: int) -> None:
         if param.grad is not None:
@@ -131,11 +127,10 @@ class BackwardPass:
     def queue_epilogue(self) -> None:
         """Queue the end-of-backward callback once per backward, from inside
         it (the first hook to fire is the root's, in the outermost backward)."""
-        if self._queued or not in_backward():
+        if self.step.phase is Phase.BACKWARD or not in_backward():
             return
         self.once.backward_starts()
-        self._queued = True
-        self.training_state.phase = Phase.BACKWARD
+        self.step.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
     def host_waits(self) -> int:
@@ -153,18 +148,15 @@ class BackwardPass:
             self.checks.before_step()
 
     def abort(self, *, ranks_in_step: bool) -> None:
-        """The backward raised (``ranks_in_step``: on every rank at the same
-        point): no epilogue comes; its gradients are dropped. One refused
-        before it reached a hook of ours changed nothing, and keeps the window."""
-        if not self._queued:
-            return
-        self._queued = False
+        """A backward that reached a hook of ours raised (``ranks_in_step``:
+        on every rank at the same point): no epilogue comes; its gradients
+        are dropped. (One refused before it reached a hook of ours changed
+        nothing, and keeps the window: the engine does not call this.)"""
         if self.reducer is not None:
             self.reducer.abort_backward(ranks_in_step=ranks_in_step)
 
     def end(self) -> None:
         """End of backward (or a backward that reached no hook of ours)."""
-        self._queued = False
         try:
             self.hooks.finish_backward()
             self.coordinator.finish_schedule()
@@ -176,9 +168,9 @@ class BackwardPass:
                     self.agreement.settle()
                     # with rank-divergent graphs the ranks' fetches differ by design (``zero3.training.rounds``)
                     record = self.record if self.coordinator.rounds is None else StepRecord()
-                    self.checks.end_of_backward(self.trainable, record, self.training_state.micro_step)
+                    self.checks.end_of_backward(self.trainable, record, self.step.micro_step)
                 except RanksDisagree as exc:
-                    self.watch.broken = str(exc)  # every rank raised it: none may go on alone
+                    self.step.broken = str(exc)  # every rank raised it: none may go on alone
                     raise
                 finally:
                     self.record.clear()
@@ -192,5 +184,5 @@ class BackwardPass:
         finally:
             self.coordinator.end_step()
             self.hooks.reset()
-            self.training_state.phase = Phase.IDLE
-        self.training_state.micro_step += 1
+            self.step.close_step()
+        self.step.micro_step += 1

@@ -6,8 +6,8 @@ does not have, an unfreeze, an eval forward of its own) posts where it did
 already past that point (``RankWatch.position``). ``StepPosition`` is that
 point: the parts that move it write it (the parameter coordinator its
 forward fetches and the start of backward, the eval meeting its eval
-forwards), and the training state reads it with the phase
-(``TrainingState.rank_position``). It is made before all of them, so the
+forwards), and the step state reads it with the phase
+(``StepState.rank_position``). It is made before all of them, so the
 watch they all wait through reads an object that exists.
 """
 
