@@ -46,7 +46,7 @@ def run_lifecycle(ctx: Any, dtype: str) -> dict[str, Any]:
     engine, ref, model = build_pair(ctx, case)
     out: dict[str, Any] = {
         "shards": shard_numels(ref.model, ctx.world),
-        "elsize": torch.finfo(engine.config.torch_dtype).bits // 8,
+        "elsize": torch.finfo(engine.zero3_config.torch_dtype).bits // 8,
         "after_init": current(engine),
         "model_data_numel": sum(p.data.numel() for p in model.parameters()),
         "init_broadcast": engine.log.snapshot()["broadcast"],

@@ -660,7 +660,7 @@ def persistent_numel(engine: Any, ref: DDPReference) -> int:
     """Elements of the parameters the stock rule keeps gathered: those under
     ``param_persistence_threshold`` elements (sizes read off the reference
     copy, whose parameters are full)."""
-    threshold = engine.config.param_persistence_threshold
+    threshold = engine.zero3_config.param_persistence_threshold
     return sum(p.numel() for p in ref.model.parameters() if p.numel() < threshold)
 
 

@@ -38,23 +38,73 @@ from torch import nn
 
 from z3kit_recipes.zero3.lockstep import generate as lockstep_generate
 from z3kit_recipes.zero3.lockstep import join as lockstep_join
+from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained
 
 
-class Zero3Engine(EngineCore):
+class Zero3Engine(EngineCore, nn.Module):
     """A model trained with ZeRO-3 sharding. Build it with ``zero3.initialize``.
 
     Forward, backward and step are the ``EngineCore``'s; the methods here are
     the features' (see the Note on the core and its features).
+
+    Note: the engine is a module that wraps the model.
+        As DeepSpeed's engine does: the model is its submodule ``module``, so
+        ``train()``/``eval()``, ``parameters()``/``named_parameters()``
+        (names prefixed ``module.``) and ``modules()`` reach the model, and
+        an attribute the engine does not have is the model's
+        (``engine.config`` is a Hugging Face model's config; the engine's
+        own is ``zero3_config``). Between uses a parameter holds no values
+        (its shape is ``(0,)``); its full shape and size are
+        ``param.ds_shape`` and ``param.ds_numel``, DeepSpeed's names, which
+        Hugging Face reads. Whatever would hand out those empty values as if
+        they were the model's refuses, naming what to use instead:
+        ``state_dict``/``load_state_dict`` (``full_state_dict``,
+        ``save_checkpoint``, ``load_pretrained``), and ``to``/``half``-style
+        moves (the shards stay where ``initialize`` put them).
     """
 
-    def train(self, mode: bool = True) -> Zero3Engine:
-        self.module.train(mode)
-        return self
+    def __init__(self, parts: EngineParts) -> None:
+        nn.Module.__init__(self)
+        EngineCore.__init__(self, parts)
 
-    def eval(self) -> Zero3Engine:
-        return self.train(False)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            # the model's own attributes (a Hugging Face config, generation_config, its methods)
+            modules = self.__dict__.get("_modules", {})
+            if name.startswith("__") or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    # -- what would hand out empty shards -----------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "engine.state_dict() would hold the parameters' empty placeholders, not their values: use "
+            "engine.full_state_dict() (collective; every rank calls it), engine.save_pretrained(path) or "
+            "engine.save_checkpoint(path)"
+        )
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "engine.load_state_dict() cannot write into sharded parameters: use engine.load_pretrained(path), "
+            "engine.load_checkpoint(path), or change values inside engine.gathered_parameters(modifier_rank=0)"
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Zero3Engine:
+        # every .to()/.cuda()/.half()/.float() comes here: one that changes nothing (the
+        # engine's own device and compute dtype, as Trainer-style code asks) is let through
+        probe = torch.empty(0, device=self.device, dtype=self.zero3_config.torch_dtype)
+        moved = fn(probe)
+        if moved.device == probe.device and moved.dtype == probe.dtype:
+            return self
+        raise RuntimeError(
+            "the engine's parameters are sharded and stay on the device and dtype initialize chose "
+            f"({self.device}, compute dtype {self.zero3_config.compute_dtype}): move or cast the model before "
+            "zero3.initialize, or set Zero3Config(compute_dtype=...)"
+        )
 
     # -- ranks with different numbers of batches -------------------------------------------------
     @contextlib.contextmanager

@@ -61,7 +61,7 @@ class Z3kitRunner:
         return self.engine.stats().peak_live_numel
 
     def engine_report(self) -> JSON | None:
-        return stats_report(self.engine.stats(), self.engine.config)
+        return stats_report(self.engine.stats(), self.engine.zero3_config)
 
     def engine_collectives(self) -> dict[str, int] | None:
         return {kind: c["calls"] for kind, c in self.engine.stats().collectives.items() if c["calls"]}

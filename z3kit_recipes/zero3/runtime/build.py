@@ -152,6 +152,9 @@ def assemble(
     if not layout.masters_are_shards:
         memory.set(MemoryKind.FP32_MASTERS, storage_bytes(layout.masters))
     place_buffers(module, device, config.torch_dtype)
+    for shard in layout.shards:  # full sizes under DeepSpeed's names, which Hugging Face and PEFT read
+        setattr(shard.param, "ds_shape", shard.shape)
+        setattr(shard.param, "ds_numel", shard.numel)
 
     # the parameter path
     record, timeline = StepRecord(), Timeline()

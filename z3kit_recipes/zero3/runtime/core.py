@@ -25,7 +25,7 @@ class EngineCore:
 
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
-        self.module, self.config, self.group, self.device = parts.module, parts.config, parts.group, parts.device
+        self.module, self.zero3_config, self.group, self.device = parts.module, parts.config, parts.group, parts.device
         self.rank, self.world, self.log, self.memory = parts.rank, parts.world, parts.log, parts.memory
         self.layout, self.shards, self.masters = parts.layout, parts.layout.shards, parts.layout.masters
         self.trainable, self.param_names = parts.layout.trainable, parts.param_names
@@ -100,7 +100,7 @@ class EngineCore:
 
     # -- optimizer step --------------------------------------------------------------------
     def is_accumulation_boundary(self) -> bool:
-        return self.step_state.micro_step % self.config.gradient_accumulation_steps == 0
+        return self.step_state.micro_step % self.zero3_config.gradient_accumulation_steps == 0
 
     def step(self) -> bool:
         """Optimizer step at a gradient-accumulation boundary (returns True),
@@ -130,8 +130,10 @@ class EngineCore:
         (from the step() after this call to the following one) into ``timeline``."""
         self.parts.timeline.arm()
 
-    def zero_grad(self) -> None:
-        """Discard the gradients accumulated since the last optimizer step."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last optimizer step
+        (``set_to_none``: accepted as ``nn.Module.zero_grad`` takes it; the
+        parameters' ``.grad`` stays None anyway)."""
         if self.reducer is not None:
             self.reducer.window.end()
 

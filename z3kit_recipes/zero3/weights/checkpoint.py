@@ -114,7 +114,7 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
         "global_step": global_step,
         "micro_step": micro_step,
         "open_window": open_window,
-        "config": attrs.asdict(engine.config),
+        "config": attrs.asdict(engine.zero3_config),
         "params": params_meta,
         "hf_config": _hf_config(engine),
     }
@@ -141,11 +141,11 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
     verify(root, manifest, together)
     entries = _entries(engine)
     _check_same_model(manifest, entries, engine)
-    if manifest["open_window"] and manifest["config"]["gradient_accumulation_steps"] != engine.config.gradient_accumulation_steps:
+    if manifest["open_window"] and manifest["config"]["gradient_accumulation_steps"] != engine.zero3_config.gradient_accumulation_steps:
         raise ValueError(
             "the checkpoint was saved in the middle of a gradient-accumulation window of "
             f"{manifest['config']['gradient_accumulation_steps']} micro-steps; this engine accumulates "
-            f"{engine.config.gradient_accumulation_steps}: resume with the same gradient_accumulation_steps"
+            f"{engine.zero3_config.gradient_accumulation_steps}: resume with the same gradient_accumulation_steps"
         )
     stored = FileSystemReader(str(root)).read_metadata().state_dict_metadata
     mesh, layout = _mesh(engine), engine.layout

@@ -286,7 +286,7 @@ def load_deepspeed_checkpoint(
         group.update(values)
     if engine.reducer is not None:  # gradients accumulated before the load belong to other weights
         engine.reducer.window.end()
-    gas = engine.config.gradient_accumulation_steps
+    gas = engine.zero3_config.gradient_accumulation_steps
     engine.restore_progress(ckpt.global_steps, ckpt.global_steps * gas, window_open=False)
     engine.shards_changed()
     return ckpt.client_state
