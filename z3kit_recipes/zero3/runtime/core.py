@@ -125,6 +125,13 @@ class EngineCore:
         self.parts.timeline.step_boundary()
         return True
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm the last optimizer step measured before
+        clipping (None: no clipping, or no step yet). Reading it waits for
+        the device; the step itself never does."""
+        return None if self.parts.optimizer_step is None else self.parts.optimizer_step.last_grad_norm
+
     def capture_timeline(self) -> None:
         """Record every fetch, prefetch and release of the next optimizer step
         (from the step() after this call to the following one) into ``timeline``."""

@@ -1,0 +1,1 @@
+# the parts of accelerate z3kit_recipes.hf uses (accelerate ships no type information)

@@ -1,0 +1,9 @@
+from typing import Any
+
+import torch
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    optimizer: torch.optim.Optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = ..., scaler: Any = ...) -> None: ...
+    def step(self, closure: Any = ...) -> Any: ...
+    def zero_grad(self, set_to_none: bool | None = ...) -> None: ...
