@@ -188,3 +188,47 @@ def test_main_job_exports_for_transformers_and_ends_without_warnings(tmp_path: P
     prompt = torch.tensor([[1, 2, 3, 4, 5]])
     want = ours.generate(prompt, 12, temperature=0)
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)
+
+
+def run_refused_saves(ctx: Any, out: str) -> list[str]:
+    from tests.errors import error_of
+    from z3kit_recipes import zero3
+    from z3kit_recipes.train.hf_export import gpt2_layout
+    from z3kit_recipes.zero3.weights import pretrained
+    from z3kit_recipes.zero3.weights.export_layout import ExportLayout
+
+    engine = zero3.initialize(GPT(CONFIG), torch.optim.AdamW, SHARDED, ctx.group)
+    layout = gpt2_layout(CONFIG)
+    partial = ExportLayout({k: v for k, v in layout.names.items() if "ln_f" not in k}, layout.transposed, layout.config)
+    return [
+        error_of(pretrained.save_pretrained, engine, out, layout=partial),
+        error_of(pretrained.save_pretrained, engine, out, dtype=torch.int8),
+        _missing_error(pretrained.load_pretrained, engine, out, layout=partial),
+    ]
+
+
+def _missing_error(fn: Any, *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except FileNotFoundError as e:
+        return f"FileNotFoundError: {e}"
+    return "no error"
+
+
+def test_bad_layout_or_dtype_is_refused_before_anything_is_written(pools: Any, tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    for save_layout, save_dtype, load in pools.run(2, run_refused_saves, str(out)):
+        assert save_layout.startswith("ValueError: ") and "no stored name for 2" in save_layout
+        assert "ln_f.weight, ln_f.bias" in save_layout and "Nothing was read or written" in save_layout
+        assert save_dtype.startswith("TypeError: ") and "floating-point torch.dtype" in save_dtype
+        assert load.startswith("FileNotFoundError: ") and "does not exist" in load
+    assert list(tmp_path.iterdir()) == []  # no folder, no staging folder
+
+
+def test_an_export_layout_refuses_two_tensors_under_one_name() -> None:
+    from z3kit_recipes.zero3.weights.export_layout import ExportLayout
+
+    with pytest.raises(ValueError, match="several tensors under one name: x"):
+        ExportLayout({"a": "x", "b": "x"})
+    with pytest.raises(ValueError, match="transposed names tensors that names does not: c"):
+        ExportLayout({"a": "x"}, {"c"})
