@@ -97,7 +97,7 @@ def load_pretrained(engine: EngineCore, path: str | os.PathLike[str], *, layout:
     chosen: list[tuple[int, str]] = []
     missing: list[str] = []
     misshaped: list[str] = []
-    known: set[str] = set(buffers)
+    known: set[str] = {as_stored(n) for n in buffers}
     for pid, shard in enumerate(engine.shards):
         names = aliases[id(shard.param)]
         known.update(as_stored(n) for n in names)
@@ -105,9 +105,9 @@ def load_pretrained(engine: EngineCore, path: str | os.PathLike[str], *, layout:
         if not found:
             missing.append(as_stored(names[0]))
             continue
-        want = _stored_shape(tuple(shard.shape), layout, found[0])
-        if stored[as_stored(found[0])].shape != want:
-            misshaped.append(f"{as_stored(found[0])} {list(stored[as_stored(found[0])].shape)} (the model's is {list(want)})")
+        key, want = as_stored(found[0]), _stored_shape(tuple(shard.shape), layout, found[0])
+        if stored[key].shape != want:
+            misshaped.append(f"{key} {list(stored[key].shape)} (the model's is {list(want)})")
         else:
             chosen.append((pid, found[0]))
     missing += [as_stored(n) for n in buffers if as_stored(n) not in stored]
