@@ -25,6 +25,7 @@ from z3kit_recipes.train.corpus import SKIPPED_DIRS
 from z3kit_recipes.train.memory import KINDS, MemoryFigures, RankMemory, Replica, peak_rss_bytes
 from z3kit_recipes.train.render import render_memory
 from z3kit_recipes.models import GPT, GPTConfig
+from z3kit_recipes.models.gpt_hf import gpt2_names, gpt2_transposed
 from z3kit_recipes.zero3.config.auto import auto_sizes, block_numel
 from z3kit_recipes.zero3.config.config import Zero3Config
 
@@ -524,7 +525,7 @@ def test_resume_continues_exactly(saved_and_resumed: _Runs) -> None:
     from safetensors.torch import load_file
 
     weights_a, weights_b = load_file(a / "export" / "model.safetensors"), load_file(b / "export" / "model.safetensors")
-    assert sorted(weights_a) == sorted(weights_b) and "tok_emb.weight" in weights_a
+    assert sorted(weights_a) == sorted(weights_b) and "transformer.wte.weight" in weights_a  # GPT-2's names
     for name, tensor in weights_a.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, weights_b[name]), name
 
@@ -561,8 +562,11 @@ def test_init_from_starts_from_the_exported_weights(
     corpus = train.load_corpus(50_000)
     vocab = train.CharVocab.from_text(corpus.text)
     model = GPT(train.gpt_config("tiny", len(vocab)))
-    loaded = model.load_state_dict(load_file(a / "export" / "model.safetensors"), strict=False)
-    assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys  # tied to tok_emb.weight
+    stored = load_file(a / "export" / "model.safetensors")  # GPT-2's names, Conv1D weights transposed
+    config, flipped = model.config, gpt2_transposed(model.config)
+    own = {n: stored.pop(h).t() if n in flipped else stored.pop(h) for n, h in gpt2_names(config).items() if h in stored}
+    loaded = model.load_state_dict(own, strict=False)
+    assert loaded.missing_keys == ["lm_head.weight"] and not stored  # tied to tok_emb.weight
     x, y = train.sample_batch(vocab.tokens(corpus.text), 16, 32, seed=0, rank=0, step=0)
     with torch.no_grad():
         want = float(F.cross_entropy(model(x).float().reshape(-1, len(vocab)), y.reshape(-1)))

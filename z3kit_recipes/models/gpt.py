@@ -30,6 +30,10 @@ TieMode = Literal["hf", "functional"]
 TIE_MODES: Final[tuple[TieMode, ...]] = ("hf", "functional")
 
 _INIT_STD: Final = 0.02
+#: every LayerNorm's epsilon (torch's default), and the MLP's activation: the
+#: exact GELU, not GPT-2's tanh approximation (``gpt_hf`` names both to Hugging Face)
+LAYER_NORM_EPS: Final = 1e-5
+GELU_APPROXIMATE: Final = "none"
 
 
 def _tie_mode(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -109,7 +113,7 @@ class MLP(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, 4 * width)
-        self.act = nn.GELU()
+        self.act = nn.GELU(approximate=GELU_APPROXIMATE)
         self.proj = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +126,9 @@ class Block(nn.Module):
 
     def __init__(self, width: int, n_head: int) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(width)
+        self.ln1 = nn.LayerNorm(width, eps=LAYER_NORM_EPS)
         self.attn = CausalSelfAttention(width, n_head)
-        self.ln2 = nn.LayerNorm(width)
+        self.ln2 = nn.LayerNorm(width, eps=LAYER_NORM_EPS)
         self.mlp = MLP(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg.width, cfg.n_head) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.width)
+        self.ln_f = nn.LayerNorm(cfg.width, eps=LAYER_NORM_EPS)
         if cfg.tie_mode == "hf":
             self.lm_head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
             self.lm_head.weight = self.tok_emb.weight  # one Parameter, two modules

@@ -53,7 +53,8 @@ N optimizer steps and at the end; ``--resume`` continues such a run (saved
 at any number of ranks) up to ``--steps`` in all, refusing, before any
 process starts, a run whose options differ from the saved one's, and at
 the same world size its losses equal an uninterrupted run's bit for bit;
-``--export`` writes the trained weights as Hugging Face-layout safetensors,
+``--export`` writes the trained weights as a Hugging Face GPT-2 folder that
+``AutoModelForCausalLM.from_pretrained`` loads (:mod:`~z3kit_recipes.train.hf_export`),
 and ``--init-from`` starts a new run from such weights.
 
 tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
@@ -63,7 +64,8 @@ Modules, in the order a run meets them: ``cli`` (options, ``main``),
 batches), ``spec`` (``RunSpec``, what every rank gets), ``launch`` (spawn or
 torchrun, the process group), ``job`` (one rank, corpus to summary),
 ``loop`` (the training steps), ``checkpointing`` (``--save-every``,
-``--resume``, ``--init-from``, ``--export``), ``profile`` (``--profile``), ``sample`` (text
+``--resume``, ``--init-from``, ``--export``; ``hf_export``: the GPT-2
+layout of the last two), ``profile`` (``--profile``), ``sample`` (text
 from the trained model), ``memory`` and ``report`` (the summary as records),
 ``render`` (as text), ``plots`` (``--plot``), ``outputs`` (the folder,
 ``loss_history.csv``), ``extras`` (the ``cli`` extra's imports).

@@ -5,9 +5,10 @@ weights and training state in and out, through the engine's own methods.
   state (parameters, optimizer state, random state, step counters), each
   rank writing its part, committed with a manifest; a checkpoint saved at
   one world size loads at another (the engine reshards).
-- ``engine.save_pretrained`` / ``load_pretrained``: the full parameters as
-  Hugging Face-layout safetensors, written by rank 0 as they are gathered,
-  read straight into the shards.
+- ``save_pretrained`` / ``load_pretrained``: the full parameters as
+  Hugging Face-layout safetensors under GPT-2's names (``hf_export``: the
+  folder loads with ``AutoModelForCausalLM.from_pretrained``), written by
+  rank 0 as they are gathered, read straight into the shards.
 
 What the engine does not know, the job keeps in the checkpoint's
 ``client_state`` (:func:`client_state`): the next step, the LR schedule,
@@ -45,6 +46,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from z3kit_recipes import zero3
+from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.train import hf_export
 from z3kit_recipes.train.corpus import CharVocab
 from z3kit_recipes.train.loop import LoopStart
 from z3kit_recipes.train.spec import RunSpec
@@ -182,9 +185,9 @@ class CheckpointFigures:
     export_s: float | None
 
 
-def init_from(engine: zero3.Zero3Engine, path: str) -> str:
+def init_from(engine: zero3.Zero3Engine, path: str, model: GPTConfig) -> str:
     """``--init-from``: the weights of ``path`` into the shards (collective)."""
-    engine.load_pretrained(path)
+    hf_export.init_from(engine, path, model)
     return f"initialized from {path}"
 
 
@@ -239,7 +242,7 @@ class Checkpointer:
             said.append(self.save(len(losses), losses, lrs))
         if self.spec.export is not None:
             started = time.perf_counter()
-            self.engine.save_pretrained(self.spec.export)
+            hf_export.export(self.engine, self.spec.export, self.spec.model)
             self.export_s = time.perf_counter() - started
             said.append(f"exported the weights to {self.spec.export} in {self.export_s:.1f} s")
         return said

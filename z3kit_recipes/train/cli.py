@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start from the weights of PATH, a Hugging Face-layout safetensors folder "
                        "(what --export writes)")
     p.add_argument("--export", type=Path, metavar="PATH",
-                   help="at the end, write the trained weights to the folder PATH as Hugging Face-layout safetensors")
+                   help="at the end, write the trained weights to the folder PATH as a Hugging Face GPT-2 model "
+                   "(transformers.AutoModelForCausalLM.from_pretrained(PATH) loads it)")
     return p  # fmt: skip
 
 

@@ -75,7 +75,7 @@ def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: flo
     said: list[str] = []
     start, resumed_world = LoopStart(), None
     if spec.init_from is not None:
-        said.append(checkpointing.init_from(engine, spec.init_from))
+        said.append(checkpointing.init_from(engine, spec.init_from, spec.model))
     if spec.resume is not None:
         start, resumed_world, message = checkpointing.resume(engine, spec, checkpointing.vocab_digest(vocab), spec.resume)
         said.append(message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +112,16 @@ def train_steps(
     tokens_per_step = spec.tokens_per_step(world)
     schedule_steps = spec.steps if start.schedule_steps is None else start.schedule_steps
     tqdm_module = optional_module("tqdm", "the progress bar")
+    # Note: why the bar gets a thread lock.
+    #     tqdm's default write lock holds a multiprocessing RLock: a named POSIX
+    #     semaphore, registered with the launcher's resource tracker and
+    #     unlinked only by a finalizer at interpreter exit. A spawned rank ends
+    #     in os._exit (launch.leave_together: torch 2.13's gloo teardown aborts
+    #     now and then), which skips that finalizer, so every run ended with
+    #     "resource_tracker: There appear to be N leaked semaphore objects".
+    #     Each rank draws only its own bar (rank 0's shows): a thread lock is
+    #     all it needs, and nothing is left to leak.
+    tqdm_module.tqdm.set_lock(threading.RLock())
     bar: Any = tqdm_module.tqdm(
         total=spec.steps, initial=start.step, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=0.5,
         file=sys.stderr,

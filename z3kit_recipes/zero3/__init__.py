@@ -6,11 +6,32 @@
     loss = loss_fn(engine(x), y)
     engine.backward(loss)
     engine.step()
+
+The errors the engine raises on every rank are importable from here too:
+``RanksDisagree`` (the ranks would issue different collectives),
+``RankFailed`` (a rank failed, died or stalled; a ``RanksDisagree``),
+``RanksDisagreeAtInit`` (``initialize`` got different models or settings;
+also a ``ValueError``), ``BackwardTwice`` and ``SaveRefused``.
 """
 
 from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.engine import Zero3Engine
+from z3kit_recipes.zero3.init_agreement import RanksDisagreeAtInit
 from z3kit_recipes.zero3.initialize import initialize
+from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats
+from z3kit_recipes.zero3.training.backward_once import BackwardTwice
+from z3kit_recipes.zero3.weights.target import SaveRefused
 
-__all__ = ["Zero3Config", "Zero3Engine", "Zero3Stats", "initialize"]
+__all__ = [
+    "BackwardTwice",
+    "RankFailed",
+    "RanksDisagree",
+    "RanksDisagreeAtInit",
+    "SaveRefused",
+    "Zero3Config",
+    "Zero3Engine",
+    "Zero3Stats",
+    "initialize",
+]

@@ -67,6 +67,58 @@ class Zero3Stats:
     def collectives_per_step(self) -> int:
         return sum(kind["calls"] for kind in self.collectives.values())
 
+    def __str__(self) -> str:
+        """A short table for ``print(engine.stats())``; ``repr`` keeps every field as it is."""
+        return "\n".join(_table(self))
+
+
+def size(nbytes: int) -> str:
+    """Bytes in MB (10**6), or GB from 1 GB on."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def count(numel: int) -> str:
+    """An element count with its unit: 12.35M, 4.1k, 512."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if numel >= scale:
+            return f"{numel / scale:.2f}{unit}"
+    return str(numel)
+
+
+def _table(s: Zero3Stats) -> list[str]:
+    mem = s.memory
+    lines = [
+        f"Zero3Stats: step {s.global_step} (micro-step {s.micro_step}), model {count(s.model_numel)} parameters",
+        f"  {'memory on this rank':<22}{'now':>11}{'peak':>11}",
+        *(f"  {kind:<22}{size(mem.current[kind]):>11}{size(mem.peak.get(kind, 0)):>11}" for kind in mem.current),
+        f"  {'total':<22}{size(mem.current_total):>11}{size(mem.peak_total):>11}",
+    ]
+    if mem.device_peak is not None:
+        lines.append(f"  {'device allocator peak':<22}{'':>11}{size(mem.device_peak):>11}")
+    lines += [
+        f"  resident elements     params {count(s.resident_param_numel)}, fp32 masters {count(s.resident_master_numel)}, "
+        f"grads {count(s.resident_grad_numel)}",
+        f"  gathered elements     now {count(s.live_numel)}, peak {count(s.peak_live_numel)} of "
+        f"{count(s.max_live_parameters)} (largest fetch {count(s.largest_fetch_numel)})",
+        f"  buckets               reduce {count(s.reduce_bucket_numel)}, prefetch {count(s.prefetch_bucket_numel)} elements",
+        "  collectives           " + (", ".join(
+            f"{kind} {c['calls']} call(s), {size(c.get('bytes', 0))}" for kind, c in sorted(s.collectives.items())
+            if c["calls"]) or "none")
+        + " in the last step",
+        f"  step                  {s.step_time_s:.3f} s, comm wait {s.comm_wait_s:.3f} s ({100 * s.comm_wait_share:.1f}%), "
+        f"rank checks {1000 * s.rank_check_s:.1f} ms",
+        f"  trace                 {s.trace_state}, {s.trace_invalidations} invalidation(s); grad norm "
+        + ("-" if s.last_grad_norm is None else f"{s.last_grad_norm:.4g}") + f"; host waits {s.host_waits}",
+    ]  # fmt: skip
+    if s.compile is not None:
+        c = s.compile
+        lines.append(f"  compile               {len(c.units)} compiled unit(s){', whole model' if c.whole_model else ''}, "
+                     f"{c.eager_forwards} eager forward(s); last step {c.last_step.graphs} graph(s), "
+                     f"{c.last_step.recompiles} recompile(s), {c.last_step.graph_breaks} graph break(s)")
+    if s.memory_plan is not None:
+        lines.append(f"  memory plan           {s.memory_plan.describe()}")
+    return lines
+
 
 def collect_stats(parts: EngineParts) -> Zero3Stats:
     """``engine.stats()``: the parts' figures, read from their fields."""

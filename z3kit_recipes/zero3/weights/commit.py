@@ -175,7 +175,8 @@ def read_manifest(root: Path, kind: str | None = None) -> dict[str, Any]:
     """The manifest of a committed directory (of ``kind``, when given); a
     clear error naming the file and the folder for anything else."""
     if not root.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {root}" + (" (it is a file)" if root.exists() else ""))
+        raise FileNotFoundError(f"no checkpoint at {root}: " + ("it is a file, not a folder" if root.exists()
+                                                                  else "it does not exist (no such folder)"))
     path = root / MANIFEST
     if not path.is_file():
         raise ValueError(

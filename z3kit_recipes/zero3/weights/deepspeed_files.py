@@ -186,6 +186,9 @@ class DeepSpeedCheckpoint:
 def read_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
     """The layout of the ZeRO-3 checkpoint under ``path`` (tag from ``path/latest`` unless given)."""
     root = Path(path)
+    if not root.is_dir():  # before looking for 'latest' in it, which would blame the file
+        raise FileNotFoundError(f"DeepSpeed checkpoint {root} does not exist" if not root.exists() else
+                                f"DeepSpeed checkpoint {root} is a file: pass the folder save_checkpoint wrote")
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():

@@ -14,7 +14,12 @@ arrive (see ``safetensors_io``), into files of at most ``max_shard_bytes``,
 committed like a checkpoint (``commit``), with a manifest of kind
 ``hugging-face weights``, which lets a later export replace it (and
 nothing else: ``target``): ``transformers``' ``from_pretrained`` loads the
-result.
+result. Its ``config.json`` (the model's Hugging Face config, or the
+layout's) records the dtype written (``hf_config``).
+
+Both take an ``ExportLayout`` (``export_layout``) for a model that is exact
+in a Hugging Face architecture under other names (the recipes' GPT as
+GPT-2): the files then hold the layout's names, transposed where it says.
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ from torch import nn
 from z3kit.validate import check_int
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import EXPORT_KIND, commit, staged
+from z3kit_recipes.zero3.weights.export_layout import ExportLayout
+from z3kit_recipes.zero3.weights.hf_config import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    record_dtype,
+    rewrite_dtype,
+    saved_dtype,
+    write_json,
+)
 from z3kit_recipes.zero3.weights.safetensors_io import (
     Planned,
     StreamingWriter,
@@ -65,47 +79,65 @@ def _listed(kind: str, names: list[str]) -> str:
     return f"{kind} ({len(names)}): {shown}"
 
 
-def load_pretrained(engine: EngineCore, path: str | os.PathLike[str]) -> None:
+def load_pretrained(engine: EngineCore, path: str | os.PathLike[str], *, layout: ExportLayout | None = None) -> None:
     """Load a Hugging Face checkpoint into the engine's shards (see the module docstring)."""
     engine.check_idle("load_pretrained")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"load_pretrained: {path} does not exist (no such folder or file); pass the folder "
+                                "that save_pretrained or from_pretrained's save wrote")
     if manifest_kind(Path(path)) == CHECKPOINT_KIND:
         raise ValueError(f"{path} is a z3kit training checkpoint (save_checkpoint), not Hugging Face weights: "
                          "load it with engine.load_checkpoint, or convert it with python -m z3kit_recipes.convert")
     stored = index_of(path)
     aliases = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
+    if layout is not None:
+        layout.check_covers([*(n for names in aliases.values() for n in names), *buffers], f"load_pretrained({path})")
+    as_stored = (lambda n: n) if layout is None else layout.stored
     chosen: list[tuple[int, str]] = []
     missing: list[str] = []
     misshaped: list[str] = []
-    known: set[str] = set(buffers)
+    known: set[str] = {as_stored(n) for n in buffers}
     for pid, shard in enumerate(engine.shards):
         names = aliases[id(shard.param)]
-        known.update(names)
-        found = [n for n in names if n in stored]
+        known.update(as_stored(n) for n in names)
+        found = [n for n in names if as_stored(n) in stored]
         if not found:
-            missing.append(names[0])
-        elif stored[found[0]].shape != tuple(shard.shape):
-            misshaped.append(f"{found[0]} {list(stored[found[0]].shape)} (the model's is {list(shard.shape)})")
+            missing.append(as_stored(names[0]))
+            continue
+        key, want = as_stored(found[0]), _stored_shape(tuple(shard.shape), layout, found[0])
+        if stored[key].shape != want:
+            misshaped.append(f"{key} {list(stored[key].shape)} (the model's is {list(want)})")
         else:
             chosen.append((pid, found[0]))
-    missing += [n for n in buffers if n not in stored]
+    missing += [as_stored(n) for n in buffers if as_stored(n) not in stored]
     misshaped += [
-        f"{n} {list(stored[n].shape)} (the model's is {list(b.shape)})"
+        f"{as_stored(n)} {list(stored[as_stored(n)].shape)} (the model's is {list(b.shape)})"
         for n, b in buffers.items()
-        if n in stored and stored[n].shape != tuple(b.shape)
+        if as_stored(n) in stored and stored[as_stored(n)].shape != _stored_shape(tuple(b.shape), layout, n)
     ]
     unexpected = sorted(n for n in stored if n not in known)
     problems = [_listed(kind, names) for kind, names in
                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names]
     if problems:
         raise ValueError(f"checkpoint {path} does not match the model, nothing was loaded: " + "; ".join(problems))
+    flipped = frozenset() if layout is None else layout.transposed
     for pid, name in chosen:
         start, stop = engine.layout.local_range(pid)
-        engine.layout.fill_local(pid, read_flat_range(stored[name], name, start, stop) if stop > start else torch.empty(0))
+        key = as_stored(name)
+        engine.layout.fill_local(
+            pid, read_flat_range(stored[key], key, start, stop, transposed=name in flipped) if stop > start else torch.empty(0)
+        )
     with torch.no_grad():
         for name, buffer in buffers.items():
-            buffer.copy_(read_whole(stored[name], name))
+            whole = read_whole(stored[as_stored(name)], as_stored(name))
+            buffer.copy_(whole.t() if name in flipped else whole)
     engine.shards_changed()
+
+
+def _stored_shape(shape: tuple[int, ...], layout: ExportLayout | None, name: str) -> tuple[int, ...]:
+    """The shape a tensor of the model's ``shape`` has in the files."""
+    return shape[::-1] if layout is not None and name in layout.transposed else shape
 
 
 def save_pretrained(
@@ -114,27 +146,37 @@ def save_pretrained(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    layout: ExportLayout | None = None,
 ) -> None:
     """Write the full parameters in the Hugging Face layout (collective; see the module docstring).
 
     Trainable parameters come from the fp32 masters, frozen ones in the
-    compute dtype; ``dtype`` converts every floating-point tensor."""
+    compute dtype; ``dtype`` converts every floating-point tensor.
+    ``layout``: the names, transposes and config of another architecture."""
     engine.check_idle("save_pretrained")
     engine.watch.check("save_pretrained")
     check_int("max_shard_bytes", max_shard_bytes, at_least=1)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"save_pretrained: dtype must be a floating-point torch.dtype (torch.bfloat16), got {dtype!r}")
     group, rank = engine.group, engine.rank
     names = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
     sources: dict[str, int | torch.Tensor] = {names[id(s.param)][0]: pid for pid, s in enumerate(engine.shards)}
     sources.update(buffers)
+    if layout is not None:
+        layout.check_covers(sources, f"save_pretrained({path})")
     planned = []
+    model_name: dict[str, str] = {}  # stored name -> the model's
     for name, source in sources.items():
+        key = name if layout is None else layout.stored(name)
+        model_name[key] = name
         if isinstance(source, int):
             shard = engine.shards[source]
             own = torch.float32 if source in engine.layout.master_of() else shard.shard.dtype
-            planned.append(Planned(name, tuple(shard.shape), _converted(own, dtype)))
+            planned.append(Planned(key, _stored_shape(tuple(shard.shape), layout, name), _converted(own, dtype)))
         else:
-            planned.append(Planned(name, tuple(source.shape), _converted(source.dtype, dtype)))
+            planned.append(Planned(key, _stored_shape(tuple(source.shape), layout, name), _converted(source.dtype, dtype)))
+    flipped = frozenset() if layout is None else layout.transposed
     files = plan_files(planned, max_shard_bytes)
     together = Together.of(engine)
     with staged(path, EXPORT_KIND, "save_pretrained", together) as staging:
@@ -145,28 +187,40 @@ def save_pretrained(
             writer = together.agreed(f"save_pretrained: creating {target}",
                                      lambda: StreamingWriter(target, group_of_file) if rank == 0 else None)
             for t in group_of_file:
-                source = sources[t.name]
+                own_name = model_name[t.name]
+                source = sources[own_name]
                 if isinstance(source, int):
                     pid = source
-                    full = together.call(lambda: engine.layout.gather_full(pid, group, engine.log)).view(t.shape)
+                    full = together.call(lambda: engine.layout.gather_full(pid, group, engine.log)).view(
+                        _stored_shape(t.shape, layout, own_name))  # the model's shape (a transpose's is symmetric)
                 else:
                     full = source.detach()
+                if own_name in flipped:
+                    full = full.t()
                 together.agreed(f"save_pretrained: writing {t.name} into {target}",
                                 lambda: writer.write(t.name, full.to(t.dtype)) if writer is not None else None)
                 del full
             together.agreed(f"save_pretrained: finishing {target}", lambda: writer.close() if writer is not None else None)
         together.agreed("save_pretrained: writing the index and config",
-                        lambda: _write_extras(engine, staging.path, files) if rank == 0 else None)
+                        lambda: _write_extras(engine, staging.path, files, layout) if rank == 0 else None)
         commit(staging, {"world": engine.world}, together)
 
 
-def _write_extras(engine: EngineCore, staging: Path, files: list[list[Planned]]) -> None:
-    """The index of a model in several files, and the model's config when it has one."""
+def _write_extras(engine: EngineCore, staging: Path, files: list[list[Planned]], layout: ExportLayout | None) -> None:
+    """The index of a model in several files, and the config (the layout's,
+    or the model's when it has a Hugging Face one), with the dtype written."""
     if len(files) > 1:
         write_index(staging, files)
+    dtype = saved_dtype([t for group in files for t in group])
+    if layout is not None:
+        write_json(staging / CONFIG_FILE, record_dtype(layout.config, dtype))
+        if layout.generation_config is not None:
+            write_json(staging / GENERATION_CONFIG_FILE, layout.generation_config)
+        return
     config = getattr(engine.module, "config", None)
     if callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(staging)  # type: ignore[union-attr]
+        rewrite_dtype(staging / CONFIG_FILE, dtype)
 
 
 def _converted(own: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:

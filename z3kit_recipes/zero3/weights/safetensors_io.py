@@ -92,13 +92,22 @@ def _opened(file: Path) -> Iterator[Any]:
         yield f
 
 
-def read_flat_range(stored: StoredTensor, name: str, start: int, stop: int) -> torch.Tensor:
+def read_flat_range(stored: StoredTensor, name: str, start: int, stop: int, *, transposed: bool = False) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened tensor, reading only the
-    rows (of its first dimension) that hold them."""
+    rows (of its first dimension) that hold them. ``transposed``: the file
+    holds a 2-D tensor's transpose (GPT-2's ``Conv1D``), and the range is of
+    the tensor, so the columns that hold its rows are read."""
     with _opened(stored.file) as f:
         piece = f.get_slice(name)
-        if not stored.shape:  # a scalar
-            out: torch.Tensor = f.get_tensor(name).reshape(-1)[start:stop]
+        if transposed:
+            if len(stored.shape) != 2:
+                raise ValueError(f"{name} in {stored.file} has shape {list(stored.shape)}: only 2-D tensors are "
+                                 "stored transposed")
+            row = stored.shape[0]  # a row of the tensor is a column of the file
+            first, last = start // row, -(-stop // row)
+            out: torch.Tensor = piece[:, first:last].t().reshape(-1)[start - first * row : stop - first * row]
+        elif not stored.shape:  # a scalar
+            out = f.get_tensor(name).reshape(-1)[start:stop]
         elif len(stored.shape) == 1:
             out = piece[start:stop]
         else:
