@@ -41,6 +41,7 @@ from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained
+from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
 
 class Zero3Engine(EngineCore, nn.Module):
@@ -155,16 +156,18 @@ class Zero3Engine(EngineCore, nn.Module):
             self, path, tag=tag, load_optimizer_hyperparameters=load_optimizer_hyperparameters
         )
 
-    def load_pretrained(self, path: str | os.PathLike[str]) -> None:
-        """Load a Hugging Face checkpoint directory into the shards (see ``zero3.weights.pretrained``)."""
-        pretrained.load_pretrained(self, path)
+    def load_pretrained(self, path: str | os.PathLike[str], *, layout: ExportLayout | None = None) -> None:
+        """Load a Hugging Face checkpoint directory into the shards (``layout``: names written
+        under another architecture's names; see ``zero3.weights.pretrained``)."""
+        pretrained.load_pretrained(self, path, layout=layout)
 
     def save_pretrained(
         self, path: str | os.PathLike[str], *, max_shard_bytes: int = pretrained.DEFAULT_MAX_SHARD_BYTES,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, layout: ExportLayout | None = None,
     ) -> None:
-        """Write the full model in the Hugging Face layout, one parameter at a time (collective)."""
-        pretrained.save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        """Write the full model in the Hugging Face layout, one parameter at a time (collective;
+        ``layout``: under another architecture's names, ``zero3.weights.export_layout``)."""
+        pretrained.save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype, layout=layout)
 
     def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
         """The model's Hugging Face ``generate`` on every rank in lockstep
