@@ -9,8 +9,11 @@
 """
 
 from z3kit_recipes.zero3.config.config import Zero3Config
+from z3kit_recipes.zero3.config.deepspeed_json import DeepSpeedNote
+from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.initialize import initialize
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats
+from z3kit_recipes.zero3.training.trainable import MasterShards
 
-__all__ = ["Zero3Config", "Zero3Engine", "Zero3Stats", "initialize"]
+__all__ = ["DeepSpeedNote", "MasterShards", "TrainingValues", "Zero3Config", "Zero3Engine", "Zero3Stats", "initialize"]
