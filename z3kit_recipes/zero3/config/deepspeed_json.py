@@ -301,7 +301,7 @@ def _batch_sizes(ds: Mapping[str, Any], knobs: dict[str, Any], world: int | None
         if micro is None:
             micro = train // world // (accum if isinstance(accum, int) else 1)
         if accum is None:
-            accum = knobs["gradient_accumulation_steps"] = train // micro // world
+            accum = knobs["gradient_accumulation_steps"] = train // max(1, micro) // world
         if not isinstance(accum, int) or micro * accum * world != train:
             raise ValueError(
                 f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) x "
