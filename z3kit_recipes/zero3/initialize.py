@@ -8,6 +8,7 @@ model built on meta), then on the optimizer factory (``zero3.runtime.build``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ from z3kit.trace import TraceRecorder
 from z3kit.validate import check_int, is_int
 from z3kit_recipes.zero3.config.budget import MemoryPlan, plan_memory, transient_cap
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED, Zero3Config
+from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
+from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
 from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
@@ -55,10 +58,11 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
 def initialize(
     model: nn.Module,
     optimizer: OptimizerFactory | None,
-    config: Zero3Config | Mapping[str, Any] | None = None,
+    config: Zero3Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     process_group: ProcessGroup | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     *,
+    auto: TrainingValues | None = None,
     trace: TraceRecorder | None = None,
     release_policy: ReleasePolicy | None = None,
     prefetch_limiter: PrefetchLimiter | None = None,
@@ -69,13 +73,18 @@ def initialize(
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
 
-    ``optimizer`` is a factory that receives this rank's fp32 master shards,
-    or None for an inference-only engine (an RLHF reference model, say): no
+    ``optimizer`` is a factory that receives this rank's fp32 master shards
+    (a ``MasterShards``: a list that also names them, ``.named()``), or None:
+    then the optimizer the DeepSpeed config's ``optimizer`` section names, or,
+    without one, an inference-only engine (an RLHF reference model, say): no
     masters, no gradient buffers, every parameter frozen; ``step`` and
-    ``backward`` are refused.
-    ``config`` is a ``Zero3Config`` or a DeepSpeed config dict (its
-    ``"auto"`` size knobs are filled from ``model.config.hidden_size`` where
-    the model has one, else refused; see ``Zero3Config.from_deepspeed``). ``trace``,
+    ``backward`` are refused. A factory and an ``optimizer`` section together
+    are refused.
+    ``config`` is a ``Zero3Config``, or a DeepSpeed config dict or JSON file
+    path, read by ``Zero3Config.from_deepspeed``: its ``"auto"`` size knobs
+    are filled from ``model.config.hidden_size`` where the model has one,
+    every other ``"auto"`` from ``auto`` (a ``TrainingValues``), as Hugging
+    Face's Trainer fills them; its ``scheduler`` becomes ``engine.lr_scheduler``. ``trace``,
     ``release_policy`` and ``prefetch_limiter`` replace the stock policies
     (the config's knobs for them are then not used). Every argument is
     checked before the model is touched: a failed call changes nothing.
@@ -100,20 +109,14 @@ def initialize(
             "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
             "it receives this rank's master shards (or None for an engine that only runs forwards)"
         )
-    if config is None:
-        config = Zero3Config()
-    elif isinstance(config, Mapping):
-        # "auto" size knobs come from the model's hidden size, where it says one (a Hugging Face config)
-        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        config = Zero3Config.from_deepspeed(config, hidden_size=hidden_size if is_int(hidden_size) else None)
-    elif not isinstance(config, Zero3Config):
-        raise TypeError(f"config must be a Zero3Config or a DeepSpeed config dict, got {type(config).__name__}")
     if process_group is None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first, or pass process_group")
         process_group = dist.group.WORLD
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    config, notes = _read_config(model, config, auto, dist.get_world_size(process_group))
+    optimizer = _optimizer_factory(optimizer, config)
     if next(model.parameters(), None) is None:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
     if optimizer is not None and not any(p.requires_grad for p in model.parameters()):
@@ -164,9 +167,43 @@ def initialize(
         init_seed=init_seed if meta else None, param_init_fn=param_init_fn if meta else None,
     )
     rank0_seed = agree_at_init(summary, process_group, device)
+    tell(notes, dist.get_rank(process_group))
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
     parts = assemble(model, optimizer, config, process_group, device, leaves, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
+
+
+def _read_config(
+    model: nn.Module, config: object, auto: TrainingValues | None, world: int
+) -> tuple[Zero3Config, tuple[str, ...]]:
+    """``config`` as a ``Zero3Config``, and the notes to print about a DeepSpeed JSON."""
+    if isinstance(config, (Mapping, str, os.PathLike)):
+        # "auto" size knobs come from the model's hidden size, where it says one (a Hugging Face config)
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        read = read_deepspeed(config, hidden_size=hidden_size if is_int(hidden_size) else None, auto=auto, world=world)
+        return Zero3Config(**read.knobs), read.notes
+    if auto is not None:
+        raise TypeError("auto= fills the \"auto\" values of a DeepSpeed config; pass the DeepSpeed config (a dict or a "
+                        "JSON file path) as config=, or drop auto=")
+    if config is None:
+        return Zero3Config(), ()
+    if not isinstance(config, Zero3Config):
+        raise TypeError(
+            f"config must be a Zero3Config, or a DeepSpeed config dict or JSON file path, got {type(config).__name__}")
+    return config, ()
+
+
+def _optimizer_factory(factory: OptimizerFactory | None, config: Zero3Config) -> OptimizerFactory | None:
+    """The user's factory, or the one the DeepSpeed config names (never both)."""
+    if factory is not None and config.optimizer is not None:
+        raise ValueError(
+            "both an optimizer factory and the DeepSpeed config's optimizer section were given; pass one: "
+            "optimizer=None to use the config's, or remove the optimizer section to use the factory")
+    if factory is None and config.optimizer is None and config.lr_scheduler is not None:
+        raise ValueError(
+            "the DeepSpeed config has a scheduler section but no optimizer to schedule: add an optimizer section "
+            "or pass an optimizer factory (or remove the scheduler section for an engine that only runs forwards)")
+    return factory if factory is not None else config.optimizer
 
 
 def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:

@@ -17,8 +17,10 @@ from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
 
 
 def shared_config(zero: JSON) -> Zero3Config:
-    """The shared ``zero_optimization`` section, as DeepSpeed gets it."""
-    return Zero3Config.from_deepspeed({"zero_optimization": zero})
+    """The shared ``zero_optimization`` section, as DeepSpeed gets it, and no
+    clipping, as the DeepSpeed runner writes (a JSON without ``gradient_clipping``
+    clips at DeepSpeed's default, 1.0)."""
+    return Zero3Config.from_deepspeed({"zero_optimization": zero, "gradient_clipping": 0.0})
 
 
 def budget_config(zero: JSON, budget: int | float) -> Zero3Config:

@@ -10,14 +10,17 @@ have such a value. So:
 
 - ``"auto"`` on a size knob needs the hidden size; without it the config
   is refused, naming the keys (pass the hidden size, or write numbers);
-- ``"auto"`` on any other knob (``gradient_accumulation_steps``,
-  ``gradient_clipping``, ``bf16.enabled``, ...) is refused: there is nothing
-  in the model to derive it from, and a silent default would be a second
-  meaning. Write the value.
+- ``"auto"`` on any other knob of ``Zero3Config`` is refused here: there
+  is nothing in the model to derive it from, and a silent default would be
+  a second meaning. In a DeepSpeed JSON, the values a training script knows
+  (``gradient_accumulation_steps``, ``gradient_clipping``, ``bf16.enabled``,
+  the optimizer's and the schedule's) are filled before this, from a
+  ``TrainingValues``, as Hugging Face's Trainer fills them
+  (``zero3.config.deepspeed_json``); without one they are refused there.
 
 ``"auto"`` never means "DeepSpeed's default": a knob left out of the config
-keeps the default (DeepSpeed's, except ``gradient_clipping``; see
-``Zero3Config``).
+keeps the default (DeepSpeed's; ``gradient_clipping`` is DeepSpeed's in a
+DeepSpeed JSON and 0.0 in a ``Zero3Config``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,27 @@
 """Zero3Config: the stock runtime's knobs, with DeepSpeed's names and defaults.
 
 ``Zero3Config.from_deepspeed`` reads a DeepSpeed configuration (a dict or
-a JSON file) so that a DeepSpeed user brings their config unchanged; keys
-that z3kit does not implement are refused by name rather than silently
-ignored, and ``"auto"`` means what it means everywhere in z3kit: a value
-derived from the model (``z3kit_recipes.zero3.config.auto``).
+a JSON file) so that a DeepSpeed user brings their config unchanged
+(``z3kit_recipes.zero3.config.deepspeed_json``): keys that would change the
+result and that z3kit does not implement are refused by name rather than
+silently ignored.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
-from z3kit.validate import bool_validator, check_int, int_validator, is_number, number_validator
-from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
+from z3kit.validate import bool_validator, int_validator, is_number, number_validator
+from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
+from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.training_values import TrainingValues
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -41,7 +44,7 @@ class Zero3Config:
     The first nine fields carry DeepSpeed's meaning, and its default except
     for ``gradient_clipping``: 0.0 here, which means no clipping, where
     DeepSpeed's default clips the global norm at 1.0 (set 1.0 to clip as it
-    does).
+    does; ``from_deepspeed`` does, for a JSON that leaves it out).
     ``prefetch_bucket_size`` caps one prefetch; ``max_live_parameters``
     caps gathered elements (a running module's own fetch is never refused);
     ``max_reuse_distance`` keeps a parameter gathered at module exit when
@@ -92,6 +95,17 @@ class Zero3Config:
     #: runtime derives the four knobs of ``BUDGET_DERIVED`` from it for the model
     #: at hand (see ``z3kit_recipes.zero3.config.budget``). None: use the knobs as given.
     memory_budget: int | float | None = attrs.field(default=None)
+    #: the micro batch per rank (DeepSpeed's ``train_micro_batch_size_per_gpu``): a training
+    #: forward whose first tensor argument has another batch size (dim 0) is refused. None: any
+    micro_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_validator(at_least=1)))
+    #: the optimizer a DeepSpeed JSON names (built on the master shards when ``initialize``
+    #: gets no factory); None: the factory's, or none
+    optimizer: JsonOptimizer | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(JsonOptimizer)))
+    #: the learning-rate schedule a DeepSpeed JSON names (``engine.lr_scheduler``, stepped
+    #: after each optimizer step)
+    lr_scheduler: WarmupSchedule | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(WarmupSchedule)))
 
     @memory_budget.validator
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:
@@ -132,89 +146,29 @@ class Zero3Config:
 
     @classmethod
     def from_deepspeed(
-        cls, config: Mapping[str, Any] | str | os.PathLike[str], *, hidden_size: int | None = None
+        cls,
+        config: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        hidden_size: int | None = None,
+        auto: TrainingValues | None = None,
+        world: int | None = None,
     ) -> Zero3Config:
-        """Read a DeepSpeed config dict, or the path of its JSON file.
-
-        Reads ``zero_optimization`` (``stage`` must be 3; ``stage3_*`` knobs,
-        ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``,
-        ``reduce_scatter``), ``bf16``, ``gradient_accumulation_steps`` and
-        ``gradient_clipping``. Batch sizes are accepted and ignored (they
-        belong to the data loader). Anything else is refused with its name.
-        A knob the config leaves out keeps ``Zero3Config``'s default.
-
-        ``"auto"`` on a size knob (``stage3_param_persistence_threshold``,
-        ``stage3_prefetch_bucket_size``, ``reduce_bucket_size``,
-        ``stage3_max_reuse_distance``, ``stage3_max_live_parameters``) is
-        filled from the model's ``hidden_size`` by
-        ``z3kit_recipes.zero3.config.auto.auto_sizes``, as the main job's
-        ``--config`` fills it; without ``hidden_size`` it is refused. On
-        any other key ``"auto"`` is refused (write the value).
+        """Read a DeepSpeed config dict, or the path of its JSON file, as
+        ``zero3.config.deepspeed_json`` says: Hugging Face's documented
+        ZeRO-3 JSON unedited. ``"auto"`` on a size knob is filled from the
+        model's ``hidden_size`` (``zero3.config.auto``), any other from
+        ``auto`` (a ``TrainingValues``); ``world`` relates the batch sizes
+        as DeepSpeed does (``zero3.initialize`` passes it). Keys that change
+        nothing in z3kit are accepted and listed in one warning (on rank 0
+        where torch.distributed is up); keys that would change the result
+        and that z3kit does not implement are refused by name. A knob the
+        config leaves out keeps ``Zero3Config``'s default, except
+        ``gradient_clipping``: DeepSpeed's default, 1.0, said in a warning.
         """
-        if hidden_size is not None:
-            check_int("hidden_size", hidden_size, at_least=1)
-        if isinstance(config, (str, os.PathLike)):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        if not isinstance(config, Mapping):
-            raise TypeError(f"a DeepSpeed config is a dict or a JSON file path, got {type(config).__name__}")
-        kwargs: dict[str, Any] = {}
-        #: each field's key in the DeepSpeed config, for messages about "auto"
-        spelled: dict[str, str] = {}
-        unsupported: list[str] = []
-
-        def take(name: str, key: str, value: Any) -> None:
-            # JSON configs often write sizes as 5e8, which json reads as a float
-            if isinstance(value, float) and value.is_integer() and name in _INT_FIELDS:
-                value = int(value)
-            kwargs[name] = value
-            spelled[name] = key
-
-        for key, value in config.items():
-            if key in _TOP_LEVEL:
-                take(_TOP_LEVEL[key], key, value)
-            elif key in _IGNORED_TOP_LEVEL:
-                continue
-            elif key == "bf16":
-                enabled = _enabled(value, "bf16")
-                if enabled == AUTO:  # refused below, with every other "auto"
-                    take("compute_dtype", "bf16.enabled", AUTO)
-                elif enabled:
-                    kwargs["compute_dtype"] = "bf16"
-            elif key in ("fp16", "amp") and isinstance(value, Mapping) and not value.get("enabled", False):
-                continue  # present but off: harmless
-            elif key == "zero_optimization":
-                if not isinstance(value, Mapping):
-                    raise TypeError(f"zero_optimization must be a dict, got {type(value).__name__}")
-                stage = value.get("stage", 0)
-                if stage != 3:
-                    raise ValueError(f"z3kit implements ZeRO stage 3; zero_optimization.stage is {stage!r}")
-                for zkey, zvalue in value.items():
-                    if zkey == "stage":
-                        continue
-                    if zkey in _ZERO_KEYS:
-                        take(_ZERO_KEYS[zkey], f"zero_optimization.{zkey}", zvalue)
-                    else:
-                        unsupported.append(f"zero_optimization.{zkey}")
-            else:
-                unsupported.append(key)
-        if unsupported:
-            supported = sorted([*_TOP_LEVEL, *_IGNORED_TOP_LEVEL, "bf16"]) + sorted(
-                f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS)
-            )
-            raise ValueError(
-                f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. "
-                f"Remove them (the optimizer comes from initialize's factory); supported: {', '.join(supported)}"
-            )
-        return cls(**resolve_auto(kwargs, hidden_size, spelled=spelled))
-
-
-def _enabled(section: Any, name: str) -> bool | str:
-    """``section["enabled"]`` as a bool, or ``"auto"`` as written."""
-    if not isinstance(section, Mapping):
-        raise TypeError(f"{name} must be a dict like {{'enabled': true}}, got {type(section).__name__}")
-    enabled = section.get("enabled", False)
-    return AUTO if enabled == AUTO else bool(enabled)
+        read = read_deepspeed(config, hidden_size=hidden_size, auto=auto, world=world)
+        made = cls(**read.knobs)
+        tell(read.notes, dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        return made
 
 
 #: the environment variable that turns ``check_every_fetch`` on for a run, whatever the code says
@@ -223,21 +177,3 @@ CHECK_EVERY_FETCH_ENV = "Z3KIT_CHECK_EVERY_FETCH"
 BUDGET_DERIVED = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "reduce_bucket_size")
 _DEFAULTS = {f.name: f.default for f in attrs.fields(Zero3Config)}
 
-_TOP_LEVEL = {
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gradient_clipping": "gradient_clipping",
-}
-_INT_FIELDS = frozenset(
-    f.name for f in attrs.fields(Zero3Config) if f.type in ("int", int)
-)
-_IGNORED_TOP_LEVEL = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
-_ZERO_KEYS = {
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "overlap_comm": "overlap_comm",
-    "contiguous_gradients": "contiguous_gradients",
-    "reduce_scatter": "reduce_scatter",
-}

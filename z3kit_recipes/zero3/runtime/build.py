@@ -17,6 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
 from z3kit.flat_bucket import ReduceMode
@@ -50,7 +51,7 @@ from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.timeline import Timeline
-from z3kit_recipes.zero3.training.trainable import OptimizerFactory, TrainableWatch
+from z3kit_recipes.zero3.training.trainable import MasterShards, OptimizerFactory, TrainableWatch
 
 StreamPairFactory = Callable[[torch.device], StreamPairLike]
 
@@ -90,6 +91,8 @@ class EngineParts:
     watch: RankWatch
     layout: ShardLayout
     optimizer: torch.optim.Optimizer | None
+    #: the DeepSpeed JSON's learning-rate schedule (``Zero3Config.lr_scheduler``), or None
+    lr_scheduler: LRScheduler | None
     trace: TraceRecorder
     limiter: PrefetchLimiter
     record: StepRecord
@@ -137,7 +140,10 @@ def assemble(
     layout = ShardLayout.allocate(
         params, rank=rank, world=world, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None
     )
-    optimizer = _build_optimizer(optimizer_factory, layout, group, device)
+    names = [name for name, _ in named]
+    optimizer = _build_optimizer(optimizer_factory, MasterShards.of(layout, names, layout.master_of()), group, device)
+    # DeepSpeed's schedules set the optimizer's lr for the first step when they are made
+    lr_scheduler = None if optimizer is None or config.lr_scheduler is None else config.lr_scheduler.build(optimizer)
 
     # the values into the shards, one parameter (or chunk, or module) at a time:
     # rank 0's where the model has them, made on every rank where it was built on meta
@@ -179,7 +185,6 @@ def assemble(
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
     reduce_streams = stream_pairs(device)
     reducer = _build_reducer(layout, config, group, device, memory_plan, watch, reduce_streams, log, memory)
-    names = [name for name, _ in named]
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
@@ -198,7 +203,7 @@ def assemble(
     return EngineParts(
         module=module, config=config, group=group, device=device, rank=rank, world=world, param_names=names,
         log=log, memory=memory, memory_plan=memory_plan, step_state=state, watch=watch, layout=layout,
-        optimizer=optimizer, trace=policies.trace, limiter=policies.limiter, record=record,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
@@ -211,13 +216,13 @@ def assemble(
 
 
 def _build_optimizer(
-    factory: OptimizerFactory | None, layout: ShardLayout, group: ProcessGroup, device: torch.device
+    factory: OptimizerFactory | None, masters: MasterShards, group: ProcessGroup, device: torch.device
 ) -> torch.optim.Optimizer | None:
     optimizer: torch.optim.Optimizer | None = None
     try:
         if factory is not None:
-            optimizer = factory(layout.masters)
-            _check_optimizer(optimizer, layout.masters)
+            optimizer = factory(masters)
+            _check_optimizer(optimizer, masters)
     except BaseException:
         failed_ranks(False, group, device)
         raise

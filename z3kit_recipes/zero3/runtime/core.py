@@ -31,6 +31,8 @@ class EngineCore:
         self.trainable, self.param_names = parts.layout.trainable, parts.param_names
         #: None for an inference-only engine (``initialize(model, optimizer=None)``)
         self.optimizer = parts.optimizer
+        #: the DeepSpeed JSON's learning-rate schedule, stepped after each optimizer step (None: none)
+        self.lr_scheduler = parts.lr_scheduler
         self.coordinator, self.reducer, self.limiter = parts.coordinator, parts.reducer, parts.limiter
         self.trace, self.watch = parts.trace, parts.watch
         #: where the engine is in its training step (``zero3.step.state``)
@@ -119,6 +121,8 @@ class EngineCore:
         if self.parts.optimizer_step is not None:
             self.parts.backward.before_step()
             self.parts.optimizer_step.run()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
         self.coordinator.refresh_persistent()
         self.step_state.global_step += 1
         self.parts.stats.optimizer_step()

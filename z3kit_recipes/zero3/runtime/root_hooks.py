@@ -211,6 +211,8 @@ class RootForward:
         # eval() forward with grad on is usually not followed by a backward,
         # so it must not keep parameters gathered for one.
         training = torch.is_grad_enabled() and root.training
+        if training and parts.config.micro_batch_size is not None:
+            _check_batch(parts.config.micro_batch_size, args, kwargs)  # before the forward starts anything
         if self.join is not None:  # before any collective of the forward (see zero3.lockstep.join)
             self.join.before_forward(training)
         if not self._engine_forwards:
@@ -275,6 +277,19 @@ class RootForward:
                 contexts.__exit__(type(exc), exc, exc.__traceback__)
         finally:
             self._abort("forward", exc)  # the step state is aborted with the forward
+
+
+def _check_batch(micro: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a training batch of another size than the config's micro batch
+    (dim 0 of the forward's first tensor argument): DeepSpeed's batch
+    arithmetic (``train_batch_size``) and the user's would silently differ.
+    The data gives each rank the same batch size, so every rank refuses alike."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if first is not None and first.shape[0] != micro:
+        raise ValueError(
+            f"this training batch has {first.shape[0]} samples (dim 0 of the forward's first tensor argument), but "
+            f"the config's train_micro_batch_size_per_gpu is {micro}: feed {micro} samples per rank and forward "
+            "(drop_last=True in the DataLoader, say), or set train_micro_batch_size_per_gpu to the data's batch size")
 
 
 def starts_compiled(root: nn.Module) -> bool:

@@ -33,7 +33,7 @@ Note: what follows ``requires_grad``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -44,7 +44,50 @@ from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.layout import ShardLayout
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class MasterShards(list[nn.Parameter]):
+    """What an optimizer factory gets: this rank's fp32 master shards, a list
+    as before, that also knows which parameter each shard is of.
+
+    A shard is flat and 1-D whatever its parameter's shape, so rules written
+    for the model's parameters (``"bias" in name``, ``p.ndim < 2``) need the
+    parameter's name and shape: ``named()`` gives ``(name, shard)`` pairs and
+    ``full_shape(shard)`` the parameter's own shape::
+
+        lambda params: torch.optim.AdamW([
+            {"params": [p for n, p in params.named() if len(params.full_shape(p)) >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in params.named() if len(params.full_shape(p)) < 2], "weight_decay": 0.0},
+        ], lr=1e-3)
+    """
+
+    def __init__(self, masters: Sequence[nn.Parameter], names: Sequence[str], shapes: Sequence[torch.Size]) -> None:
+        super().__init__(masters)
+        # side tables by identity: a shard's name and shape are not attributes of the tensor
+        self._names = {id(m): n for m, n in zip(masters, names)}
+        self._shapes = {id(m): s for m, s in zip(masters, shapes)}
+
+    @classmethod
+    def of(cls, layout: ShardLayout, names: Sequence[str], by_pid: Mapping[int, nn.Parameter]) -> MasterShards:
+        """The masters of ``by_pid`` (parameter id -> master shard), in parameter order."""
+        pids = sorted(by_pid)
+        return cls([by_pid[p] for p in pids], [names[p] for p in pids], [layout.shards[p].shape for p in pids])
+
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name in the model, master shard)`` for every shard, in order."""
+        return [(self._names[id(m)], m) for m in self]
+
+    def full_shape(self, shard: nn.Parameter) -> torch.Size:
+        """The shape of the parameter that ``shard`` is a slice of."""
+        shape = self._shapes.get(id(shard))
+        if shape is None:
+            raise KeyError("full_shape() takes one of the master shards the factory was given")
+        return shape
+
+
+#: builds the optimizer on this rank's master shards; a factory written for a plain
+#: list of parameters keeps working (``MasterShards`` is one)
+OptimizerFactory = Callable[[MasterShards], torch.optim.Optimizer]
 
 
 class TrainableWatch:
@@ -101,7 +144,7 @@ class TrainableWatch:
         masters = self.layout.new_masters(pids)
         everyone = dict(self.layout.master_of())
         everyone.update(zip(pids, masters))
-        groups = _groups_for(self.factory, [everyone[pid] for pid in sorted(everyone)], masters,
+        groups = _groups_for(self.factory, MasterShards.of(self.layout, self.names, everyone), masters,
                              len(self.optimizer.param_groups))
         # nothing has changed yet: from here on every step is applied
         self.layout.add_trainable(pids, masters)
@@ -113,7 +156,7 @@ class TrainableWatch:
 
 
 def _groups_for(
-    factory: OptimizerFactory, masters: list[nn.Parameter], new: Sequence[nn.Parameter], groups_now: int
+    factory: OptimizerFactory, masters: MasterShards, new: Sequence[nn.Parameter], groups_now: int
 ) -> list[tuple[int | None, dict[str, object], list[nn.Parameter]]]:
     """Where the factory puts each of ``new`` when given every master:
     (index of the optimizer's group, or None for a new one when the factory

@@ -1,0 +1,317 @@
+"""A DeepSpeed user's JSON, unedited: Hugging Face's documented ``ds_config_zero3.json``
+(``tests/data/ds_config_zero3.json``, verbatim) read with its ``"auto"`` values
+filled from ``TrainingValues``, its optimizer and schedule built as DeepSpeed
+builds them, and a model trained through it at parity with DDP + AdamW + the
+same warmup written out from its formula.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_pool import PoolSet, WorkerContext, fresh_group
+from z3kit_recipes import zero3
+from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+
+HF_JSON = Path(__file__).parent / "data" / "ds_config_zero3.json"
+#: every field the HF JSON's "auto" needs (fp32: bf16 off, fp16 left to mean off)
+VALUES = zero3.TrainingValues(
+    lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, warmup_steps=3, micro_batch_size=4,
+    gradient_accumulation_steps=2, max_grad_norm=1.0, bf16=False)
+HIDDEN = 8
+
+
+def hf() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(HF_JSON.read_text())
+    return data
+
+
+def notes_of(fn: Any) -> tuple[Any, list[str]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in seen if issubclass(w.category, zero3.DeepSpeedNote)]
+
+
+# -- reading the JSON ---------------------------------------------------------------------------
+def test_the_hf_json_is_read_as_the_trainer_fills_it() -> None:
+    c, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed(HF_JSON, hidden_size=HIDDEN, auto=VALUES, world=2))
+    assert (c.gradient_accumulation_steps, c.gradient_clipping, c.compute_dtype, c.micro_batch_size) == (2, 1.0, "fp32", 4)
+    assert c.optimizer == JsonOptimizer(adamw=True, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert c.lr_scheduler == WarmupSchedule(type="WarmupLR", warmup_min_lr=0.0, warmup_max_lr=0.05, warmup_num_steps=3)
+    assert c.param_persistence_threshold == 10 * HIDDEN and c.max_live_parameters == 1_000_000_000
+    # one line, naming every key that changes nothing, and saying plainly that nothing is offloaded
+    assert len(notes) == 1
+    for key in ("steps_per_print", "wall_clock_breakdown", "fp16.loss_scale", "fp16.min_loss_scale",
+                "zero_optimization.sub_group_size", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                "zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
+        assert key in notes[0]
+    assert "z3kit does not offload" in notes[0] and "more device memory than under DeepSpeed" in notes[0]
+    assert "\n" not in notes[0]
+    # bf16 chosen: fp16 "auto" is off, and bf16 is the compute dtype
+    bf16 = zero3.Zero3Config.from_deepspeed(HF_JSON, hidden_size=HIDDEN, auto=attrs.evolve(VALUES, bf16=True), world=2)
+    assert bf16.compute_dtype == "bf16"
+
+
+def test_auto_without_a_value_is_refused_naming_the_key_and_the_field() -> None:
+    with pytest.raises(ValueError) as info:
+        zero3.Zero3Config.from_deepspeed(HF_JSON, hidden_size=HIDDEN, auto=zero3.TrainingValues(lr=0.1), world=2)
+    msg = str(info.value)
+    for key, field in [("train_micro_batch_size_per_gpu", "micro_batch_size"), ("gradient_clipping", "max_grad_norm"),
+                       ("bf16.enabled", "bf16"), ("optimizer.params.betas", "betas"),
+                       ("scheduler.params.warmup_num_steps", "warmup_steps"),
+                       ("gradient_accumulation_steps", "gradient_accumulation_steps")]:
+        assert f"{key} (TrainingValues.{field})" in msg
+    assert "optimizer.params.lr" not in msg  # given
+    # the size knobs still come from the model
+    with pytest.raises(ValueError, match="hidden_size"):
+        zero3.Zero3Config.from_deepspeed(HF_JSON, auto=VALUES, world=2)
+
+
+def test_a_json_number_that_disagrees_with_training_values_is_refused() -> None:
+    ds = {**hf(), "gradient_clipping": 0.5}
+    with pytest.raises(ValueError, match=r"gradient_clipping is 0.5 but TrainingValues.max_grad_norm is 1.0"):
+        zero3.Zero3Config.from_deepspeed(ds, hidden_size=HIDDEN, auto=VALUES, world=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"fp16": {"enabled": True}}, "fp16.enabled is true: z3kit has no loss scaling"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+         'zero_optimization.offload_param.device is "nvme"'),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type 'Lamb' is not supported; z3kit builds Adam, AdamW"),
+        ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}},
+         "scheduler.type 'OneCycle' is not supported; z3kit runs WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+        ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "WarmupDecayLR needs scheduler.params.total_num_steps"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "warmup_type must be one of log, linear"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
+    ],
+)
+def test_what_would_change_the_result_is_refused_by_name(change: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        zero3.Zero3Config.from_deepspeed({"gradient_clipping": 1.0, **change})
+
+
+def test_deepspeed_optimizer_semantics() -> None:
+    p = [nn.Parameter(torch.zeros(3))]
+    assert JsonOptimizer.from_json("Adam", {}).adamw  # DeepSpeed: Adam means AdamW unless adam_w_mode is false
+    adam = JsonOptimizer.from_json("adam", {"adam_w_mode": False, "weight_decay": 0.1})(p)
+    assert type(adam) is torch.optim.Adam and adam.param_groups[0]["weight_decay"] == 0.1
+    assert type(JsonOptimizer.from_json("AdamW", {"adam_w_mode": False})(p)) is torch.optim.AdamW
+    defaults = JsonOptimizer.from_json("AdamW", {})(p).param_groups[0]
+    # DeepSpeed's fused Adam's defaults, not torch AdamW's weight_decay=0.01
+    assert (defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
+
+
+def test_gradient_clipping_left_out_is_deepspeeds_default_said_once() -> None:
+    c, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3}}))
+    assert c.gradient_clipping == 1.0 and zero3.Zero3Config().gradient_clipping == 0.0
+    assert len(notes) == 1 and "DeepSpeed's default applies" in notes[0]
+
+
+def test_batch_sizes_are_related_as_deepspeed_relates_them() -> None:
+    with pytest.raises(ValueError, match=r"train_batch_size \(30\) must equal train_micro_batch_size_per_gpu \(4\) x "
+                                         r"gradient_accumulation_steps \(2\) x the number of ranks \(2\)"):
+        zero3.Zero3Config.from_deepspeed({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                                          "gradient_accumulation_steps": 2, "gradient_clipping": 0}, world=2)
+    derived = zero3.Zero3Config.from_deepspeed(
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0}, world=2)
+    assert (derived.gradient_accumulation_steps, derived.micro_batch_size) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("type_", "params"),
+    [
+        ("WarmupLR", {"warmup_max_lr": 0.5, "warmup_num_steps": 5}),
+        ("WarmupLR", {"warmup_min_lr": 0.1, "warmup_num_steps": 4, "warmup_type": "linear"}),
+        ("WarmupDecayLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_max_lr": 0.3}),
+        ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}),
+        ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3, "warmup_type": "linear"}),
+    ],
+)
+def test_schedules_match_deepspeeds_own(type_: str, params: dict[str, Any]) -> None:
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+
+    def lrs(make: Any) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+        scheduler = make(optimizer)
+        out = [optimizer.param_groups[0]["lr"]]
+        for _ in range(14):
+            optimizer.step()
+            scheduler.step()
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    ours = lrs(WarmupSchedule.from_json(type_, params).build)
+    theirs = lrs(lambda o: getattr(lr_schedules, type_)(o, **params))
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+# -- initialize ---------------------------------------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=HIDDEN)  # where "auto" sizes come from, as on a HF model
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.norm = nn.LayerNorm(2 * HIDDEN)
+        self.down = nn.Linear(2 * HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.norm(self.up(x))))
+
+
+def _reference_lr(step: int) -> float:
+    """DeepSpeed's WarmupLR (log warmup from 0 to lr over warmup_steps) for optimizer step ``step`` (0-based),
+    written from its formula: the first step runs at the lr set at construction (the minimum)."""
+    assert VALUES.lr is not None and VALUES.warmup_steps is not None
+    i = step - 1
+    if i < 0:
+        return 0.0
+    return VALUES.lr * (math.log(i + 1) / math.log(VALUES.warmup_steps) if i < VALUES.warmup_steps else 1.0)
+
+
+def _parity_worker(ctx: WorkerContext, path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Net()
+    reference = nn.parallel.DistributedDataParallel(_Net(), process_group=ctx.group)
+    reference.module.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = zero3.initialize(model, None, path, fresh_group(ctx), auto=VALUES)
+    notes = [str(w.message) for w in seen if issubclass(w.category, zero3.DeepSpeedNote)]
+    assert engine.lr_scheduler is not None and engine.optimizer is not None
+    # DeepSpeed's JSON optimizer decays every parameter alike: one group
+    assert len(engine.optimizer.param_groups) == 1
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    accum, micro = 2, 4
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    losses, ref_losses, lrs = [], [], []
+    for step in range(6):
+        for group in ref_opt.param_groups:
+            group["lr"] = _reference_lr(step)
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        for _ in range(accum):
+            x, y = torch.randn(micro, HIDDEN, generator=gen), torch.randn(micro, 1, generator=gen)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            ref_loss = nn.functional.mse_loss(reference(x), y)
+            (ref_loss / accum).backward()  # DDP averages over ranks; the engine over micro-steps too
+            ref_losses.append(ref_loss.item())
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = engine.full_state_dict()
+    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.module.named_parameters())
+    return dict(notes=notes, losses=losses, ref_losses=ref_losses, lrs=lrs, worst=worst,
+                global_step=engine.global_step)
+
+
+def test_hf_json_trains_at_parity_with_ddp_adamw_and_warmup(pools: PoolSet) -> None:
+    outs = pools.run(2, _parity_worker, str(HF_JSON))
+    for rank, out in enumerate(outs):
+        assert out["global_step"] == 6
+        assert out["lrs"] == pytest.approx([_reference_lr(s) for s in range(6)], rel=1e-12, abs=1e-15)
+        assert out["losses"] == pytest.approx(out["ref_losses"], rel=1e-5, abs=1e-6)
+        assert out["worst"] < 1e-5
+        # the accepted keys are said once, on rank 0 only
+        assert len(out["notes"]) == (1 if rank == 0 else 0)
+    assert "z3kit does not offload" in outs[0]["notes"][0]
+
+
+def _refusals_worker(ctx: WorkerContext, path: str) -> dict[str, str]:
+    out = {}
+    attempts = {
+        "both": lambda: zero3.initialize(_Net(), lambda p: torch.optim.SGD(p, lr=0.1), path, ctx.group, auto=VALUES),
+        "scheduler_alone": lambda: zero3.initialize(
+            _Net(), None, {"scheduler": {"type": "WarmupLR", "params": {}}, "gradient_clipping": 0}, ctx.group),
+        "auto_without_json": lambda: zero3.initialize(_Net(), None, zero3.Zero3Config(), ctx.group, auto=VALUES),
+        "batch": lambda: zero3.initialize(_Net(), None, {**hf(), "train_batch_size": 7}, ctx.group, auto=VALUES),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_initialize_refusals(pools: PoolSet) -> None:
+    (out,) = pools.run(1, _refusals_worker, str(HF_JSON))
+    assert "both an optimizer factory and the DeepSpeed config's optimizer section were given; pass one" in out["both"]
+    assert "scheduler section but no optimizer" in out["scheduler_alone"]
+    assert "auto= fills the \"auto\" values of a DeepSpeed config" in out["auto_without_json"]
+    assert "train_batch_size (7) must equal train_micro_batch_size_per_gpu (4) x gradient_accumulation_steps (2) x " \
+           "the number of ranks (1)" in out["batch"]
+
+
+def _batch_worker(ctx: WorkerContext) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    engine = zero3.initialize(_Net(), lambda p: torch.optim.SGD(p, lr=0.1), ds, fresh_group(ctx))
+    assert engine.lr_scheduler is None  # no scheduler section
+    try:
+        engine(torch.randn(3, HIDDEN))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    with torch.no_grad():
+        engine(torch.randn(3, HIDDEN))  # an eval forward is not a training batch
+    engine.backward(engine(torch.randn(4, HIDDEN)).sum())  # the ranks are still together
+    return dict(refused=refused, stepped=engine.step())
+
+
+def test_a_batch_that_disagrees_with_the_json_is_refused_on_every_rank(pools: PoolSet) -> None:
+    for out in pools.run(2, _batch_worker):
+        assert "this training batch has 3 samples" in out["refused"]
+        assert "train_micro_batch_size_per_gpu is 4" in out["refused"]
+        assert out["stepped"] is True
+
+
+def _named_worker(ctx: WorkerContext) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Net()
+    model.down.bias.requires_grad_(False)  # unfrozen later: it must join the no-decay group
+    seen: list[list[tuple[str, tuple[int, ...]]]] = []
+
+    def factory(params: zero3.MasterShards) -> torch.optim.Optimizer:
+        seen.append([(n, tuple(params.full_shape(p))) for n, p in params.named()])
+        matrices = [p for _, p in params.named() if len(params.full_shape(p)) >= 2]
+        rest = [p for n, p in params.named() if len(params.full_shape(p)) < 2]
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=0.01)
+
+    engine = zero3.initialize(model, factory, zero3.Zero3Config(), fresh_group(ctx))
+    assert engine.optimizer is not None
+    engine.backward(engine(torch.randn(2, HIDDEN)).sum())
+    engine.step()
+    model.down.bias.requires_grad_(True)
+    engine.backward(engine(torch.randn(2, HIDDEN)).sum())
+    engine.step()
+    sizes = [len(g["params"]) for g in engine.optimizer.param_groups]
+    return dict(seen=seen, sizes=sizes)
+
+
+def test_factories_get_names_and_full_shapes(pools: PoolSet) -> None:
+    (out,) = pools.run(1, _named_worker)
+    first = out["seen"][0]
+    assert first == [("up.weight", (16, 8)), ("up.bias", (16,)), ("norm.weight", (16,)), ("norm.bias", (16,)),
+                     ("down.weight", (1, 16))]
+    assert ("down.bias", (1,)) in out["seen"][-1]  # asked again with every master at the unfreeze
+    assert out["sizes"] == [2, 4]  # the unfrozen bias joined the no-decay group
