@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,8 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="plain Trainer (DDP) instead of z3kit")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint under --out")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--z3kit-config", default=None, help="a DeepSpeed JSON for z3kit (default: Zero3Config())")
+    parser.add_argument("--json", default=None, help="a DeepSpeed JSON: z3kit's config; with --ddp, its optimizer "
+                        "(AdamW, decay on every parameter) and DeepSpeed's own WarmupLR, as DeepSpeed would run it")
     opts = parser.parse_args()
 
     torch.manual_seed(0)
@@ -58,17 +60,25 @@ def main() -> None:
         num_key_value_heads=2, max_position_embeddings=LENGTH, tie_word_embeddings=True))
     args = TrainingArguments(
         output_dir=opts.out, max_steps=opts.steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1,
+        learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=2,
         logging_steps=1, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3,
         save_strategy="steps", save_steps=2, use_cpu=True, report_to=[], seed=0, data_seed=0)
     data = dict(train_dataset=Sequences(64), eval_dataset=Sequences(7, offset=1000))
     if opts.ddp:
-        trainer: Trainer = Trainer(model=model, args=args, **data)
+        optimizers: Any = (None, None)
+        if opts.json:  # what DeepSpeed builds from the JSON's sections, with Trainer's "auto" values
+            from deepspeed.runtime.lr_schedules import WarmupLR
+
+            adamw = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+            optimizers = (adamw, WarmupLR(adamw, warmup_min_lr=0, warmup_max_lr=args.learning_rate,
+                                          warmup_num_steps=args.get_warmup_steps(opts.steps)))
+        trainer: Trainer = Trainer(model=model, args=args, optimizers=optimizers, **data)
     else:
         from z3kit_recipes import zero3
         from z3kit_recipes.hf import Zero3Trainer
 
-        config = opts.z3kit_config or zero3.Zero3Config(param_persistence_threshold=0)
+        config = opts.json or zero3.Zero3Config(param_persistence_threshold=0)
         trainer = Zero3Trainer(model=model, args=args, z3kit_config=config, **data)
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
     trainer.save_model()

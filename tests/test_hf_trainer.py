@@ -1,8 +1,9 @@
 """``Zero3Trainer``: a real ``transformers.Trainer`` script under torchrun, against its DDP twin.
 
-``examples/hf_trainer.py`` runs at 2 ranks (gloo) three times: as plain
-Trainer (DDP), as ``Zero3Trainer``, and as ``Zero3Trainer`` resumed from
-its ``checkpoint-2``. The z3kit run logs the same losses, gradient norms,
+``examples/hf_trainer.py`` runs at 2 ranks (gloo): as plain Trainer
+(DDP), as ``Zero3Trainer``, as ``Zero3Trainer`` resumed from its
+``checkpoint-2``, and with Hugging Face's documented ``ds_config_zero3.json``
+against DDP with the optimizer and schedule DeepSpeed builds from it. The z3kit run logs the same losses, gradient norms,
 learning rates and eval losses as DDP; the resumed run continues exactly;
 ``save_model`` writes safetensors that ``from_pretrained`` loads with
 DDP's weights. Settings the engine cannot honour are refused by name.
@@ -22,6 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "hf_trainer.py"
+DS_JSON = REPO / "tests" / "data" / "ds_config_zero3.json"
 
 
 def _torchrun(out: Path, *flags: str) -> list[dict[str, Any]]:
@@ -47,7 +49,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     resumed = root / "resumed"
     shutil.copytree(root / "z3kit", resumed, ignore=shutil.ignore_patterns("checkpoint-4", "history.json"))
     _torchrun(resumed, "--resume")
-    return {"ddp": root / "ddp", "z3kit": root / "z3kit", "resumed": resumed}
+    # Hugging Face's documented ZeRO-3 JSON, unedited, against what DeepSpeed builds from it on DDP
+    _torchrun(root / "json", "--json", str(DS_JSON))
+    _torchrun(root / "json_ddp", "--json", str(DS_JSON), "--ddp")
+    return {"ddp": root / "ddp", "z3kit": root / "z3kit", "resumed": resumed, "json": root / "json",
+            "json_ddp": root / "json_ddp"}
 
 
 def test_the_loss_curve_matches_trainer_with_ddp(runs: dict[str, Path]) -> None:
@@ -57,6 +63,17 @@ def test_the_loss_curve_matches_trainer_with_ddp(runs: dict[str, Path]) -> None:
     for got, want in zip(z3, ddp):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert len({entry[1] for entry in z3[:4]}) == 4  # the loss moves: the comparison is not of a constant
+
+
+def test_the_documented_deepspeed_json_trains_at_parity(runs: dict[str, Path]) -> None:
+    """Its optimizer (AdamW, decay on every parameter) and WarmupLR (DeepSpeed's own class on the DDP side)."""
+    ddp = _curve(json.loads((runs["json_ddp"] / "history.json").read_text()))
+    z3 = _curve(json.loads((runs["json"] / "history.json").read_text()))
+    assert len(z3) == len(ddp) == 6
+    for got, want in zip(z3, ddp):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert [entry[3] for entry in z3[:4]] == pytest.approx([0.0, 0.0, 5e-3, 5e-3])  # DeepSpeed's log warmup over 2 steps
+    assert len({entry[1] for entry in z3[2:4]}) == 2
 
 
 def test_a_resumed_run_continues_exactly(runs: dict[str, Path]) -> None:

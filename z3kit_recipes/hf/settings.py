@@ -21,6 +21,8 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from z3kit_recipes import zero3
+from z3kit_recipes.zero3.config import deepspeed_json
+from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 
 #: optimizer arguments that need the model itself (GaLore, LOMO, layer-wise): not buildable on shards
 _MODEL_BOUND_KWARGS = ("params", "model", "optimizer_dict")
@@ -47,30 +49,61 @@ def refuse_unsupported(args: TrainingArguments, optimizer: Any, scheduler: Any) 
         raise ValueError("Zero3Trainer cannot run with: " + "; ".join(problems))
 
 
-def engine_config(
+def training_values(args: TrainingArguments) -> zero3.TrainingValues:
+    """What fills a DeepSpeed JSON's ``"auto"``, from the arguments Trainer fills it from."""
+    return zero3.TrainingValues(
+        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay, micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=float(args.max_grad_norm),
+        bf16=bool(args.bf16), fp16=bool(args.fp16))
+
+
+@attrs.frozen
+class EngineSettings:
+    """The engine's configuration, and the DeepSpeed JSON's ``scheduler`` section (built by
+    ``Zero3Trainer.create_scheduler`` once Trainer knows the number of steps)."""
+
+    config: zero3.Zero3Config
+    json_scheduler: Mapping[str, Any] | None = None
+
+
+def engine_settings(
     given: zero3.Zero3Config | Mapping[str, Any] | str | os.PathLike[str] | None, args: TrainingArguments,
     model: nn.Module,
-) -> zero3.Zero3Config:
-    """The engine's configuration: Trainer owns the accumulation window (the engine steps each
-    time Trainer's window ends) and clips at ``max_grad_norm``."""
-    if given is None:
-        config = zero3.Zero3Config()
-    elif isinstance(given, zero3.Zero3Config):
-        config = given
-    else:
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config = zero3.Zero3Config.from_deepspeed(given, hidden_size=hidden if isinstance(hidden, int) else None)
-    if config.gradient_accumulation_steps not in (1, args.gradient_accumulation_steps):
-        raise ValueError(
-            f"the z3kit config accumulates over {config.gradient_accumulation_steps} micro-steps and TrainingArguments "
-            f"over {args.gradient_accumulation_steps}: set gradient_accumulation_steps in TrainingArguments only"
-        )
-    if config.gradient_clipping not in (0.0, args.max_grad_norm):
-        raise ValueError(
-            f"the z3kit config clips at {config.gradient_clipping} and TrainingArguments at {args.max_grad_norm}: "
-            "set max_grad_norm in TrainingArguments only"
-        )
-    return attrs.evolve(config, gradient_accumulation_steps=1, gradient_clipping=float(args.max_grad_norm))
+) -> EngineSettings:
+    """The engine's configuration. Trainer owns the accumulation window (the engine steps each
+    time Trainer's window ends, so it accumulates over one micro-step) and the batches; a
+    ``Zero3Config`` clips at ``max_grad_norm``, a DeepSpeed JSON as DeepSpeed would."""
+    if given is None or isinstance(given, zero3.Zero3Config):
+        config = zero3.Zero3Config() if given is None else given
+        if config.gradient_accumulation_steps not in (1, args.gradient_accumulation_steps):
+            raise ValueError(
+                f"the z3kit config accumulates over {config.gradient_accumulation_steps} micro-steps and "
+                f"TrainingArguments over {args.gradient_accumulation_steps}: set it in TrainingArguments only")
+        if config.gradient_clipping not in (0.0, args.max_grad_norm):
+            raise ValueError(
+                f"the z3kit config clips at {config.gradient_clipping} and TrainingArguments at {args.max_grad_norm}: "
+                "set max_grad_norm in TrainingArguments only")
+        return EngineSettings(attrs.evolve(config, gradient_accumulation_steps=1,
+                                           gradient_clipping=float(args.max_grad_norm)))
+    ds = deepspeed_json.load(given)
+    scheduler = ds.pop("scheduler", None)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    # "auto" filled (and numbers checked) against the arguments, batch sizes related over the ranks
+    read = deepspeed_json.read_deepspeed(ds, hidden_size=hidden if isinstance(hidden, int) else None,
+                                         auto=training_values(args), world=args.world_size)
+    deepspeed_json.tell(read.notes, args.process_index)
+    config = zero3.Zero3Config(**read.knobs)
+    return EngineSettings(attrs.evolve(config, gradient_accumulation_steps=1, micro_batch_size=None), scheduler)
+
+
+def json_schedule(section: Mapping[str, Any], args: TrainingArguments, num_training_steps: int) -> WarmupSchedule:
+    """The JSON's ``scheduler`` section with its ``"auto"`` filled as Trainer fills it for DeepSpeed."""
+    values = zero3.TrainingValues(lr=args.learning_rate, warmup_steps=args.get_warmup_steps(num_training_steps),
+                                  total_steps=num_training_steps)
+    read = deepspeed_json.read_deepspeed({"scheduler": section, "gradient_clipping": 0.0}, auto=values)
+    schedule: WarmupSchedule = read.knobs["lr_scheduler"]
+    return schedule
 
 
 def trainer_optimizer_factory(trainer: Trainer, model: nn.Module) -> Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]:

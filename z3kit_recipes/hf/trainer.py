@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
@@ -43,7 +43,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from z3kit_recipes import zero3
-from z3kit_recipes.hf.settings import engine_config, refuse_unsupported, trainer_optimizer_factory
+from z3kit_recipes.hf.settings import engine_settings, json_schedule, refuse_unsupported, trainer_optimizer_factory
 
 #: the engine's sharded checkpoint inside a Trainer ``checkpoint-N`` folder
 CHECKPOINT_SUBDIR = "z3kit"
@@ -80,9 +80,12 @@ class Zero3Trainer(Trainer):
         model = self.model
         if not isinstance(model, torch.nn.Module):
             raise ValueError("Zero3Trainer needs the model (model=...); model_init is not supported")
-        config = engine_config(z3kit_config, self.args, model)
-        factory = trainer_optimizer_factory(self, model)
-        self.engine = zero3.initialize(model, factory, config)
+        settings = engine_settings(z3kit_config, self.args, model)
+        #: the DeepSpeed JSON's scheduler section, built once Trainer knows its steps (``create_scheduler``)
+        self.json_scheduler = settings.json_scheduler
+        # the JSON's optimizer section, where it has one (DeepSpeed's meaning); else Trainer's own
+        factory = None if settings.config.optimizer is not None else trainer_optimizer_factory(self, model)
+        self.engine = zero3.initialize(model, factory, settings.config)
         # prepared already: Accelerate must not wrap the sharded model in DDP, nor move it
         self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         self.optimizer = EngineOptimizer(self.engine.require_optimizer("Zero3Trainer"))
@@ -98,6 +101,15 @@ class Zero3Trainer(Trainer):
     def engine_optimizer(self) -> EngineOptimizer:
         assert isinstance(self.optimizer, EngineOptimizer)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Trainer's scheduler, or the DeepSpeed JSON's (Trainer steps it after each optimizer step)."""
+        if self.json_scheduler is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        schedule = json_schedule(self.json_scheduler, self.args, num_training_steps)
+        self.lr_scheduler = cast(Any, schedule.build(self.engine_optimizer.optimizer))  # Trainer annotates LambdaLR
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     # -- a step ------------------------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
