@@ -12,7 +12,7 @@ sharded are refused by name before anything is built.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -106,11 +106,11 @@ def json_schedule(section: Mapping[str, Any], args: TrainingArguments, num_train
     return schedule
 
 
-def trainer_optimizer_factory(trainer: Trainer, model: nn.Module) -> Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]:
+def trainer_optimizer_factory(trainer: Trainer, model: nn.Module) -> Callable[[zero3.MasterShards], torch.optim.Optimizer]:
     """The optimizer Trainer would build, built on the engine's shards: ``args.optim``'s class and
-    arguments, weight decay on the parameters Trainer decays, none on the rest."""
+    arguments, weight decay on the parameters Trainer decays, none on the rest (by name, so
+    parameters unfrozen later, offered to the factory again, are grouped the same way)."""
     args = trainer.args
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
     decay = set(trainer.get_decay_parameter_names(model))
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]  # any module
     bound = [k for k in _MODEL_BOUND_KWARGS if k in kwargs]
@@ -118,13 +118,11 @@ def trainer_optimizer_factory(trainer: Trainer, model: nn.Module) -> Callable[[S
         raise ValueError(f"optim={args.optim!r} needs the model itself ({', '.join(bound)}), which the engine keeps "
                          "sharded: choose an optimizer that takes parameter groups (adamw_torch, sgd, adafactor, ...)")
 
-    def build(shards: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        # the shards come in the model's parameter order, trainable ones only: the names above
-        if len(shards) != len(names):
-            raise RuntimeError(f"the engine handed {len(shards)} shards for {len(names)} trainable parameters")
+    def build(shards: zero3.MasterShards) -> torch.optim.Optimizer:
+        named = shards.named()
         groups = [
-            {"params": [s for n, s in zip(names, shards) if n in decay], "weight_decay": args.weight_decay},
-            {"params": [s for n, s in zip(names, shards) if n not in decay], "weight_decay": 0.0},
+            {"params": [s for n, s in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [s for n, s in named if n not in decay], "weight_decay": 0.0},
         ]
         optimizer: torch.optim.Optimizer = cls([g for g in groups if g["params"]], **kwargs)
         return optimizer
