@@ -315,3 +315,41 @@ def test_factories_get_names_and_full_shapes(pools: PoolSet) -> None:
                      ("down.weight", (1, 16))]
     assert ("down.bias", (1,)) in out["seen"][-1]  # asked again with every master at the unfreeze
     assert out["sizes"] == [2, 4]  # the unfrozen bias joined the no-decay group
+
+
+def _resume_worker(ctx: WorkerContext, path: str, folder: str) -> dict[str, Any]:
+    """Six optimizer steps straight, against three, a checkpoint, and three more in a new engine."""
+
+    def run(engine: Any, steps: range) -> list[float]:
+        lrs = []
+        for step in steps:
+            gen = torch.Generator().manual_seed(1000 * step + ctx.rank)
+            for _ in range(2):  # the JSON's accumulation (VALUES)
+                x, y = torch.randn(4, HIDDEN, generator=gen), torch.randn(4, 1, generator=gen)
+                engine.backward(nn.functional.mse_loss(engine(x), y))
+                engine.step()
+            lrs.append(engine.optimizer.param_groups[0]["lr"])
+        return lrs
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zero3.DeepSpeedNote)
+            return zero3.initialize(_Net(), None, path, fresh_group(ctx), auto=VALUES)
+
+    whole = build()
+    straight = run(whole, range(6))
+    first = build()
+    run(first, range(3))
+    first.save_checkpoint(folder)
+    resumed = build()
+    resumed.load_checkpoint(folder)
+    after = run(resumed, range(3, 6))
+    a, b = whole.full_state_dict(), resumed.full_state_dict()
+    return dict(straight=straight[3:], after=after, worst=max((a[n] - b[n]).abs().max().item() for n in a))
+
+
+def test_a_resumed_run_continues_the_json_schedule(pools: PoolSet, tmp_path: Path) -> None:
+    for out in pools.run(2, _resume_worker, str(HF_JSON), str(tmp_path / "ckpt")):
+        assert out["after"] == out["straight"]  # the warmup goes on where it was, not from its start
+        assert out["worst"] == 0.0

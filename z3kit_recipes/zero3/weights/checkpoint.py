@@ -106,6 +106,8 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
     groups = [] if engine.optimizer is None else engine.optimizer.param_groups
     state["optim.param_groups"] = ([{k: v for k, v in g.items() if k != "params"} for g in groups],)
     state["client_state"] = (dict(client_state or {}),)
+    if engine.lr_scheduler is not None:  # the DeepSpeed JSON's scheduler: where it is in its warmup and decay
+        state["lr_scheduler"] = (engine.lr_scheduler.state_dict(),)
     state[f"rng.rank{engine.rank}"] = (_random_state(engine.device),)
     global_step, micro_step = engine.progress()
     metadata = {
@@ -183,6 +185,8 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
         state[f"buffers.{name}"] = buffer.detach()
     state["optim.param_groups"] = (None,)
     state["client_state"] = (None,)
+    if engine.lr_scheduler is not None and "lr_scheduler" in stored:
+        state["lr_scheduler"] = (None,)
     same_world = manifest["world"] == engine.world
     if same_world:
         state[f"rng.rank{engine.rank}"] = (None,)
@@ -202,6 +206,8 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
         engine.reducer.window.restore({engine.param_names.index(name): grad for name, grad in grads.items()})
     if same_world:
         _restore_random_state(state[f"rng.rank{engine.rank}"][0], engine.device)
+    if engine.lr_scheduler is not None and "lr_scheduler" in state:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"][0])
     engine.restore_progress(manifest["global_step"], manifest["micro_step"], window_open=bool(manifest["open_window"]))
     engine.shards_changed()
     client: dict[str, Any] = state["client_state"][0]
