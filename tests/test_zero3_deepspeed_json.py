@@ -23,6 +23,7 @@ from tests.dist_pool import PoolSet, WorkerContext, fresh_group
 from z3kit_recipes import zero3
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.offload import OffloadConfig
 
 HF_JSON = Path(__file__).parent / "data" / "ds_config_zero3.json"
 #: every field the HF JSON's "auto" needs (fp32: bf16 off, fp16 left to mean off)
@@ -51,12 +52,14 @@ def test_the_hf_json_is_read_as_the_trainer_fills_it() -> None:
     assert c.optimizer == JsonOptimizer(adamw=True, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     assert c.lr_scheduler == WarmupSchedule(type="WarmupLR", warmup_min_lr=0.0, warmup_max_lr=0.05, warmup_num_steps=3)
     assert c.param_persistence_threshold == 10 * HIDDEN and c.max_live_parameters == 1_000_000_000
-    # one line, naming every key that changes nothing, and saying plainly that nothing is offloaded
+    # one line, naming every key that changes nothing, and saying plainly that parameters are not offloaded
     assert len(notes) == 1
     for key in ("steps_per_print", "wall_clock_breakdown", "fp16.loss_scale", "fp16.min_loss_scale",
                 "zero_optimization.sub_group_size", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                "zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
+                "zero_optimization.offload_param"):
         assert key in notes[0]
+    # the optimizer is offloaded for real (zero3.training.offload): not among the keys that change nothing
+    assert "offload_optimizer" not in notes[0] and c.offload_optimizer == OffloadConfig(pin_memory=True, ratio=1.0)
     assert "z3kit does not offload" in notes[0] and "more device memory than under DeepSpeed" in notes[0]
     assert "\n" not in notes[0]
     # bf16 chosen: fp16 "auto" is off, and bf16 is the compute dtype

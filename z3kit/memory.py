@@ -43,6 +43,16 @@ class MemoryKind(enum.Enum):
     FP32_MASTERS = "fp32_masters"
     #: the optimizer's per-parameter state (Adam's moments), over this rank's shards
     OPTIMIZER_STATE = "optimizer_state"
+    #: fp32 master shards held in host memory (optimizer offload)
+    HOST_FP32_MASTERS = "host_fp32_masters"
+    #: the optimizer's state over the host master shards (optimizer offload)
+    HOST_OPTIMIZER_STATE = "host_optimizer_state"
+    #: host buffers the gradient partitions are copied into for a host optimizer step
+    HOST_GRAD_PARTITIONS = "host_grad_partitions"
+
+
+#: the kinds held in host memory rather than on the device
+HOST_KINDS = frozenset({MemoryKind.HOST_FP32_MASTERS, MemoryKind.HOST_OPTIMIZER_STATE, MemoryKind.HOST_GRAD_PARTITIONS})
 
 
 def _zeros() -> dict[MemoryKind, int]:
@@ -74,6 +84,7 @@ class MemoryLedger:
     _peak: dict[MemoryKind, int] = attrs.field(factory=_zeros, init=False)
     _total: int = attrs.field(default=0, init=False)
     _peak_total: int = attrs.field(default=0, init=False)
+    _host_used: bool = attrs.field(default=False, init=False)
 
     def allocate(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` more of ``kind`` are held."""
@@ -107,9 +118,12 @@ class MemoryLedger:
         self._peak_total = self._total
 
     def report(self, device_peak: int | None = None) -> MemoryReport:
+        """The figures by kind; the ``HOST_KINDS`` only once host bytes were held (an offloading runtime)."""
+        self._host_used = self._host_used or any(self._current[k] for k in HOST_KINDS)
+        kinds = [k for k in MemoryKind if self._host_used or k not in HOST_KINDS]
         return MemoryReport(
-            current={k.value: v for k, v in self._current.items()},
-            peak={k.value: v for k, v in self._peak.items()},
+            current={k.value: self._current[k] for k in kinds},
+            peak={k.value: self._peak[k] for k in kinds},
             peak_total=self._peak_total,
             device_peak=device_peak,
         )

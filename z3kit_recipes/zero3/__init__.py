@@ -16,6 +16,7 @@ also a ``ValueError``), ``BackwardTwice`` and ``SaveRefused``.
 
 from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.config.deepspeed_json import DeepSpeedNote
+from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import RanksDisagreeAtInit
@@ -31,6 +32,7 @@ __all__ = [
     "BackwardTwice",
     "DeepSpeedNote",
     "MasterShards",
+    "OffloadConfig",
     "RankFailed",
     "RanksDisagree",
     "RanksDisagreeAtInit",

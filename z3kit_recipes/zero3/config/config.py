@@ -21,6 +21,7 @@ from z3kit.validate import bool_validator, int_validator, is_number, number_vali
 from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 
 
@@ -106,6 +107,10 @@ class Zero3Config:
     #: after each optimizer step)
     lr_scheduler: WarmupSchedule | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(WarmupSchedule)))
+    #: the optimizer's fp32 masters and state in host memory, stepped there (``zero3.training.offload``);
+    #: DeepSpeed's ``offload_optimizer``. None: on the device
+    offload_optimizer: OffloadConfig | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(OffloadConfig)))
 
     @memory_budget.validator
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:

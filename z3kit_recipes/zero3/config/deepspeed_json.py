@@ -9,8 +9,10 @@ among them) works unedited:
   (:data:`FILLED_BY` says which field fills which key). A JSON number that
   disagrees with a given field is refused, as the Trainer refuses it;
 - keys that change nothing in z3kit are accepted and listed in one note
-  (``offload_*`` to the CPU among them: z3kit does not offload, so the
-  note says memory is higher than DeepSpeed's);
+  (``offload_param`` to the CPU among them: z3kit does not offload
+  parameters, so the note says memory is higher than DeepSpeed's);
+- ``offload_optimizer`` to the CPU becomes ``Zero3Config.offload_optimizer``
+  (``zero3.config.offload``): the optimizer steps on the host;
 - keys that would change the result and that z3kit does not implement are
   refused by name;
 - the batch sizes are related as DeepSpeed relates them
@@ -36,6 +38,7 @@ from z3kit.validate import check_int
 from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 
 #: DeepSpeed's ``GRADIENT_CLIPPING_DEFAULT`` (``deepspeed/runtime/constants.py``)
@@ -155,6 +158,9 @@ def read_deepspeed(
             inert.append(name)
         elif zkey in ("offload_optimizer", "offload_param"):
             _offload(name, zvalue, inert, offloaded, unsupported)
+            if zkey == "offload_optimizer" and name in offloaded:  # real offload (zero3.training.offload)
+                offloaded.remove(name)
+                knobs["offload_optimizer"] = OffloadConfig.from_json(name, zvalue)
         else:
             unsupported.append(name)
     if unsupported:
@@ -174,8 +180,8 @@ def read_deepspeed(
     if inert or offloaded:
         note = f"z3kit: DeepSpeed config keys accepted that change nothing here: {', '.join(inert + offloaded)}"
         if offloaded:
-            note += (f"; {' and '.join(offloaded)} = \"cpu\": z3kit does not offload, the optimizer state and "
-                     "parameters stay on the device, so each rank needs more device memory than under DeepSpeed")
+            note += (f"; {' and '.join(offloaded)} = \"cpu\": z3kit does not offload parameters, they "
+                     "stay on the device, so each rank needs more device memory than under DeepSpeed")
         notes.append(note)
     if "gradient_clipping" not in ds:
         knobs["gradient_clipping"] = DEEPSPEED_GRADIENT_CLIPPING
@@ -282,7 +288,8 @@ def _offload(name: str, value: Any, inert: list[str], offloaded: list[str], unsu
         raise ValueError(f"{name}.device is \"nvme\": z3kit does not offload to NVMe; set it to \"none\"")
     if device not in ("none", "cpu"):
         raise ValueError(f"{name}.device must be \"none\" or \"cpu\", got {device!r}")
-    unsupported += [f"{name}.{k}" for k in value if k not in _OFFLOAD_KEYS]
+    allowed = _OFFLOAD_KEYS | ({"ratio"} if name.endswith("offload_optimizer") else set())
+    unsupported += [f"{name}.{k}" for k in value if k not in allowed]
     (offloaded if device == "cpu" else inert).append(name)
 
 

@@ -10,6 +10,7 @@ them, and the statistics.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from z3kit_recipes.zero3.training.hook_plan import fetch_groups
 from z3kit_recipes.zero3.training.layout import ShardLayout
 from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
 from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
+from z3kit_recipes.zero3.training.offload import OffloadedStep, measure_masters
 from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
@@ -137,8 +139,11 @@ def assemble(
 
     # the layout is allocated empty and the optimizer built on it; a factory
     # that fails (on any rank) leaves every model untouched
+    offload = config.offload_optimizer
     layout = ShardLayout.allocate(
-        params, rank=rank, world=world, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None
+        params, rank=rank, world=world, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None,
+        host_masters=None if offload is None else offload.host_params([p.numel() for p in params]),
+        pin=offload is not None and offload.pin_memory and device.type != "cpu",
     )
     names = [name for name, _ in named]
     optimizer = _build_optimizer(optimizer_factory, MasterShards.of(layout, names, layout.master_of()), group, device)
@@ -156,7 +161,9 @@ def assemble(
             p.requires_grad_(False)  # nothing would consume their gradients
     memory.set(MemoryKind.PARAM_SHARDS, tensor_bytes(layout.flat))
     if not layout.masters_are_shards:
-        memory.set(MemoryKind.FP32_MASTERS, storage_bytes(layout.masters))
+        on_device, on_host = measure_masters(layout)
+        memory.set(MemoryKind.FP32_MASTERS, on_device)
+        memory.set(MemoryKind.HOST_FP32_MASTERS, on_host)
     place_buffers(module, device, config.torch_dtype)
     for shard in layout.shards:  # full sizes under DeepSpeed's names, which Hugging Face and PEFT read
         setattr(shard.param, "ds_shape", shard.shape)
@@ -191,7 +198,8 @@ def assemble(
         defer_reductions=config.divergent_graphs,
     )
     hooks = backward.hooks
-    optimizer_step = None if optimizer is None or reducer is None else OptimizerStep(
+    step_kind: Any = OptimizerStep if offload is None else functools.partial(OffloadedStep, layout=layout)
+    optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,
         masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
     )

@@ -7,7 +7,10 @@ Note: one flat buffer.
     place instead of concatenating it (see ``z3kit.shard.gather_shards``).
     In fp32 runs the shard is the master itself: the optimizer updates it in
     place. Other compute dtypes get fp32 master shards of their own, filled
-    from the full fp32 values (not from the rounded shard).
+    from the full fp32 values (not from the rounded shard). With the
+    optimizer offloaded (``host_masters``) every master is a tensor of its
+    own, fp32, those of ``host_masters`` in host memory (pinned where
+    ``pin``), whatever the compute dtype (``zero3.training.offload``).
 
 Note: what initialize holds at once.
     The layout is allocated empty first and the optimizer is built on it,
@@ -50,13 +53,30 @@ class ShardLayout:
     #: the optimizer's parameters, one per trainable parameter
     masters: list[nn.Parameter]
     _masters: dict[int, nn.Parameter] = attrs.field(init=False)
+    #: parameters whose masters live on the host (None: no offload, every master on the shards' device)
+    host_masters: frozenset[int] | None = None
+    #: the host masters are in pinned memory
+    pin: bool = False
 
     def __attrs_post_init__(self) -> None:
         self._masters = dict(zip(self.trainable, self.masters))
 
     @property
     def masters_are_shards(self) -> bool:
-        return self.flat.dtype == torch.float32
+        return self.flat.dtype == torch.float32 and self.host_masters is None
+
+    def master_device(self, pid: int) -> torch.device:
+        """Where ``pid``'s master lives: the host when it is offloaded, else with the shards."""
+        return torch.device("cpu") if self.host_masters is not None and pid in self.host_masters else self.flat.device
+
+    def _new_master(self, pid: int, values: torch.Tensor | None) -> nn.Parameter:
+        """A separate fp32 master for ``pid`` where it lives: ``values`` copied, or empty."""
+        device = self.master_device(pid)
+        out = torch.empty(self.shards[pid].shard_numel, dtype=torch.float32, device=device,
+                          pin_memory=self.pin and device != self.flat.device)
+        if values is not None:
+            out.copy_(values)
+        return nn.Parameter(out)
 
     @classmethod
     def allocate(
@@ -68,27 +88,32 @@ class ShardLayout:
         dtype: torch.dtype,
         device: torch.device,
         trainable: bool = True,
+        host_masters: frozenset[int] | None = None,
+        pin: bool = False,
     ) -> ShardLayout:
         """Empty shards (and masters) for ``params``; the parameters keep their
-        values. ``trainable=False``: no masters at all (an inference-only engine)."""
+        values. ``trainable=False``: no masters at all (an inference-only engine).
+        ``host_masters``: the offloaded parameters (see the Note)."""
         sizes = [shard_numel_for(p.numel(), world) for p in params]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         shards = [
             ParamShard(p, p.shape, p.numel(), rank, world, view) for p, view in zip(params, flat.split(sizes))
         ]
         trainable_ids = [pid for pid, p in enumerate(params) if p.requires_grad] if trainable else []
-        if dtype == torch.float32:
+        layout = cls(shards, flat, trainable_ids, [], host_masters, pin)
+        if layout.masters_are_shards:
             masters = [nn.Parameter(shards[pid].shard) for pid in trainable_ids]
         else:
-            masters = [nn.Parameter(torch.empty(sizes[pid], dtype=torch.float32, device=device)) for pid in trainable_ids]
-        return cls(shards, flat, trainable_ids, masters)
+            masters = [layout._new_master(pid, None) for pid in trainable_ids]
+        layout.add_trainable(trainable_ids, masters)
+        return layout
 
     def new_masters(self, pids: Sequence[int]) -> list[nn.Parameter]:
         """Master shards for ``pids``, not trainable yet, made from their shards
         (the shard itself in fp32 runs; else its values widened to fp32)."""
         if self.masters_are_shards:
             return [nn.Parameter(self.shards[pid].shard) for pid in pids]
-        return [nn.Parameter(self.shards[pid].shard.detach().to(torch.float32)) for pid in pids]
+        return [self._new_master(pid, self.shards[pid].shard.detach()) for pid in pids]
 
     def add_trainable(self, pids: Sequence[int], masters: Sequence[nn.Parameter]) -> None:
         """``pids`` train from now on with ``masters`` (from ``new_masters``):
@@ -143,7 +168,7 @@ class ShardLayout:
         """The parameter's full flat values on every rank (collective), from
         its fp32 master when it has one, else from its shard."""
         source = self._masters.get(pid, self.shards[pid].shard) if not self.masters_are_shards else self.shards[pid].shard
-        source = source.detach()
+        source = source.detach().to(self.flat.device)  # a host master goes through the device
         out = source.new_empty(source.numel() * self.shards[pid].world)
         all_gather(out, source, group, log=log)
         return out[: self.shards[pid].numel]

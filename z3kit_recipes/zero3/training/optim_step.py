@@ -47,19 +47,27 @@ class OptimizerStep:
     def run(self) -> None:
         if self.clip > 0:
             self._last_norm = self.reducer.clip_(self.clip)
-        for master, grad in zip(self.masters, self.reducer.window.optimizer_grads()):
-            master.grad = grad
+        self._attach_grads(self.reducer.window.optimizer_grads())
         self.optimizer.step()
         for master in self.masters:
             master.grad = None
-        if not self.masters_are_shards:
-            for pid, master in zip(self.trainable, self.masters):
-                self.shards[pid].shard.copy_(master.detach())
+        self._write_back()
         self.reducer.window.end()
         if len(self.optimizer.state) != self._state_entries:
             # optimizers create a parameter's state at its first step and keep
             # its size after that: measure only when new entries appear
             self.measure_state()
+
+    def _attach_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """The window's partitions as the masters' ``.grad`` (``zero3.training.offload`` copies them to the host)."""
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+
+    def _write_back(self) -> None:
+        """The updated masters into the compute-dtype shards, when those are separate."""
+        if not self.masters_are_shards:
+            for pid, master in zip(self.trainable, self.masters):
+                self.shards[pid].shard.copy_(master.detach())
 
     def measure_state(self) -> None:
         """Count the optimizer's state in the memory ledger (after a load, say)."""

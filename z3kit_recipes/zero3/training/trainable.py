@@ -152,7 +152,10 @@ class TrainableWatch:
         self.reducer.replan(self.layout.trainable)
         self.backward.watch_gradients(pids)
         if not self.layout.masters_are_shards:
-            self.memory.set(MemoryKind.FP32_MASTERS, storage_bytes(self.layout.masters))
+            host = self.layout.host_masters or frozenset()
+            by_pid = self.layout.master_of()
+            self.memory.set(MemoryKind.FP32_MASTERS, storage_bytes(m for p, m in by_pid.items() if p not in host))
+            self.memory.set(MemoryKind.HOST_FP32_MASTERS, storage_bytes(m for p, m in by_pid.items() if p in host))
 
 
 def _groups_for(

@@ -169,7 +169,8 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
             target = held.get(key[len(prefix):])
             if not (isinstance(target, torch.Tensor) and tuple(target.shape) == shape and target.dtype == props.dtype):
                 # nothing to read into in place (a fresh optimizer): new state, padding zero
-                target = torch.zeros(shape, dtype=props.dtype, device=engine.device if sharded or shape else "cpu")
+                where = engine.device if e.master is None else e.master.device  # an offloaded master's state: the host
+                target = torch.zeros(shape, dtype=props.dtype, device=where if sharded or shape else "cpu")
             elif sharded:
                 target[stop - start :].zero_()
             state[key] = _sharded(target, shard.numel, start, stop, mesh) if sharded else target
