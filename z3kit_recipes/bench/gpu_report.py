@@ -11,7 +11,7 @@ SECTION_TITLES = {
     "parity": "1. parity against plain single-device training",
     "host_syncs": "2. host syncs per training step (engine forward + backward + step)",
     "memory": "3. memory by phase: allocator peak against the engine's ledger",
-    "timing": "4. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), fp32",
+    "timing": "4. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), and with optimizer offload, fp32",
 }
 
 

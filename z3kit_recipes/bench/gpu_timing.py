@@ -17,6 +17,8 @@ import statistics
 import time
 from typing import Final
 
+import attrs
+
 from z3kit_recipes.bench.gpu_rank import MODELS, RankContext, Section, error_result
 from z3kit_recipes.bench.runners import Runner, unavailable_reason
 from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON
@@ -24,15 +26,18 @@ from z3kit_recipes.models import Workload
 
 
 def runtimes(world: int) -> tuple[str, ...]:
-    """The runtimes timed at ``world``; DeepSpeed last (see ``gpu_rank.sections``)."""
-    return ("z3kit", "fsdp2") if world == 1 else ("z3kit", "fsdp2", "deepspeed")
+    """The runtimes timed at ``world``; DeepSpeed last (see ``gpu_rank.sections``). ``z3kit_offload``
+    is z3kit with the optimizer state and masters on the host (``Zero3Config.offload_optimizer``)."""
+    return ("z3kit", "z3kit_offload", "fsdp2") if world == 1 else ("z3kit", "z3kit_offload", "fsdp2", "deepspeed")
 
 
 def _runner(ctx: RankContext, wl: Workload, runtime: str) -> Runner:
-    if runtime == "z3kit":
+    if runtime in ("z3kit", "z3kit_offload"):
         from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner
+        from z3kit_recipes.zero3.config.offload import OffloadConfig
 
-        return Z3kitRunner(wl, ctx.group, ctx.config("fp32"))
+        offload = OffloadConfig() if runtime == "z3kit_offload" else None
+        return Z3kitRunner(wl, ctx.group, attrs.evolve(ctx.config("fp32"), offload_optimizer=offload))
     if runtime == "fsdp2":
         from z3kit_recipes.bench.runners.torch_native import FSDP2Runner
 
@@ -95,8 +100,12 @@ def merge(per_rank: list[JSON]) -> JSON:
     merged["ratios"] = {
         f"z3kit/{other}": (z3["median_s"] / merged[other]["median_s"]
                            if z3.get("status") == "ok" and merged[other]["status"] == "ok" else None)
-        for other in merged if other not in ("z3kit", "ratios")
+        for other in merged if other not in ("z3kit", "z3kit_offload", "ratios")
     }
+    offloaded = merged.get("z3kit_offload", {})
+    # the offload cliff: a step with the optimizer on the host over one without
+    merged["ratios"]["z3kit_offload/z3kit"] = (
+        offloaded["median_s"] / z3["median_s"] if z3.get("status") == "ok" and offloaded.get("status") == "ok" else None)
     return merged
 
 
