@@ -301,3 +301,28 @@ def test_a_static_scale_skips_an_overflow_and_stays() -> None:
     restored = LossScaler(LossScaleConfig(loss_scale=64))
     restored.load_state_dict(s.state_dict())
     assert restored.state_dict() == s.state_dict()
+
+
+def _sync_worker(ctx: WorkerContext) -> list[list[str]]:
+    from z3kit.host_sync import HostSyncCounter
+
+    group = fresh_group(ctx)
+    torch.manual_seed(0)
+    config = zero3.Zero3Config(compute_dtype="fp16", gradient_clipping=1.0, param_persistence_threshold=0)
+    engine = zero3.initialize(MLP(), lambda ps: torch.optim.AdamW(ps, lr=LR), config, process_group=group)
+    calls = []
+    for step in range(4):
+        x, y = _batch(step, ctx.rank, ctx.world)
+        with HostSyncCounter("cpu") as counter:
+            engine.backward(_loss(engine(x), y))
+            engine.step()
+        calls.append(list(counter.calls))
+    return calls
+
+
+def test_fp16_adds_one_host_read_per_optimizer_step(pools: PoolSet) -> None:
+    # fp32 and bf16 steps have none after the first (tests/test_zero3_accelerator_path.py); fp16 reads
+    # the overflow verdict once per optimizer step, in zero3.training.loss_scale
+    for calls in pools.run(2, _sync_worker):
+        for step_calls in calls[1:]:
+            assert len(step_calls) == 1 and "loss_scale.py" in step_calls[0], calls
