@@ -91,7 +91,9 @@ def test_a_json_number_that_disagrees_with_training_values_is_refused() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"fp16": {"enabled": True}}, "fp16.enabled is true: z3kit has no loss scaling"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled and fp16.enabled are both true"),
+        ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
          'zero_optimization.offload_param.device is "nvme"'),
         ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type 'Lamb' is not supported; z3kit builds Adam, AdamW"),

@@ -38,8 +38,9 @@ def refuse_unsupported(args: TrainingArguments, optimizer: Any, scheduler: Any) 
         problems.append("TrainingArguments(deepspeed=... or fsdp=...) selects another runtime: remove it and pass a "
                         "DeepSpeed JSON as Zero3Trainer(z3kit_config=...)")
     if args.fp16 or args.fp16_full_eval or args.bf16_full_eval:
-        problems.append("fp16/fp16_full_eval/bf16_full_eval: the engine has no fp16 loss scaling and its shards keep "
-                        "their dtype; use bf16=True (or Zero3Config(compute_dtype='bf16'))")
+        problems.append("fp16/fp16_full_eval/bf16_full_eval: Zero3Trainer backs the loss with loss.backward(), which "
+                        "an fp16 engine refuses (only engine.backward(loss) scales it), and the shards keep their "
+                        "dtype; use bf16=True (or Zero3Config(compute_dtype='bf16'))")
     if args.auto_find_batch_size:
         problems.append("auto_find_batch_size re-creates the model on a failure; set the batch size")
     if not getattr(args.accelerator_config, "even_batches", True):

@@ -16,6 +16,7 @@ also a ``ValueError``), ``BackwardTwice`` and ``SaveRefused``.
 
 from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.config.deepspeed_json import DeepSpeedNote
+from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
@@ -24,13 +25,17 @@ from z3kit_recipes.zero3.initialize import initialize
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats
-from z3kit_recipes.zero3.training.backward_once import BackwardTwice
+from z3kit_recipes.zero3.training.backward_once import BackwardTwice, EngineBackwardRequired
+from z3kit_recipes.zero3.training.loss_scale import LossScaleAtMinimum
 from z3kit_recipes.zero3.training.trainable import MasterShards
 from z3kit_recipes.zero3.weights.target import SaveRefused
 
 __all__ = [
     "BackwardTwice",
     "DeepSpeedNote",
+    "EngineBackwardRequired",
+    "LossScaleAtMinimum",
+    "LossScaleConfig",
     "MasterShards",
     "OffloadConfig",
     "RankFailed",

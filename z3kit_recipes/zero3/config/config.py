@@ -20,12 +20,13 @@ import torch.distributed as dist
 from z3kit.validate import bool_validator, int_validator, is_number, number_validator
 from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _dtype_name(value: Any) -> str:
@@ -68,8 +69,11 @@ class Zero3Config:
     contiguous_gradients: bool = attrs.field(default=True, validator=bool_validator())
     gradient_accumulation_steps: int = attrs.field(default=1, validator=int_validator(at_least=1))
     gradient_clipping: float = attrs.field(default=0.0, validator=number_validator(at_least=0.0))
-    #: "fp32", or "bf16" (bf16 parameters, gathers and reductions; fp32 master shards and gradient partitions)
+    #: "fp32", "bf16" or "fp16" (parameters, gathers and reductions in that dtype; fp32 master shards and
+    #: gradient partitions); fp16 scales the loss (``loss_scaling``, ``zero3.training.loss_scale``)
     compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
+    #: fp16 loss scaling, DeepSpeed's ``fp16`` keys (``zero3.config.loss_scale``); only with compute_dtype "fp16"
+    loss_scaling: LossScaleConfig = attrs.field(factory=LossScaleConfig)
     #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
     reduce_scatter: bool | None = attrs.field(default=None)
     #: gathers in flight at once (demand fetches included)
@@ -134,6 +138,14 @@ class Zero3Config:
                 f"Zero3Config.memory_budget derives {', '.join(BUDGET_DERIVED)}; "
                 f"do not also set {', '.join(changed)} (drop them, or drop memory_budget)"
             )
+
+    @loss_scaling.validator
+    def _check_loss_scaling(self, attribute: attrs.Attribute[LossScaleConfig], value: LossScaleConfig) -> None:
+        if not isinstance(value, LossScaleConfig):
+            raise TypeError(f"Zero3Config.loss_scaling must be a LossScaleConfig, got {type(value).__name__}")
+        if value != LossScaleConfig() and self.compute_dtype != "fp16":
+            raise ValueError(f"Zero3Config.loss_scaling applies to fp16 only, and compute_dtype is "
+                             f"{self.compute_dtype!r}: set compute_dtype=\"fp16\", or drop loss_scaling")
 
     @reduce_scatter.validator
     def _check_reduce_scatter(self, attribute: attrs.Attribute[bool | None], value: bool | None) -> None:

@@ -37,6 +37,7 @@ import attrs
 from z3kit.validate import check_int
 from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
@@ -200,7 +201,7 @@ def tell(notes: tuple[str, ...], rank: int) -> None:
 
 def supported_keys() -> list[str]:
     """Every key of a DeepSpeed JSON that z3kit accepts, for messages."""
-    return sorted([*_TOP_LEVEL, *_BATCH, *_INERT_TOP_LEVEL, "bf16.enabled", "fp16 (off)", "optimizer", "scheduler"]) \
+    return sorted([*_TOP_LEVEL, *_BATCH, *_INERT_TOP_LEVEL, "bf16.enabled", *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
         + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *_INERT_ZERO, "offload_optimizer",
                                                     "offload_param"))
 
@@ -259,7 +260,7 @@ def _differs(written: Any, given: Any) -> bool:
 
 
 def _precision(ds: Mapping[str, Any], knobs: dict[str, Any], inert: list[str], unsupported: list[str]) -> None:
-    """bf16 on or off; fp16 accepted only off (z3kit has no loss scaling), amp only off."""
+    """bf16 or fp16 on or off (fp16's loss-scaling keys into ``LossScaleConfig``), amp only off."""
     bf16 = _section(ds, "bf16")
     unsupported += [f"bf16.{k}" for k in bf16 if k != "enabled"]
     if bf16.get("enabled", False) is True:
@@ -268,11 +269,18 @@ def _precision(ds: Mapping[str, Any], knobs: dict[str, Any], inert: list[str], u
         raise TypeError(f"bf16.enabled must be true, false or \"auto\", got {bf16.get('enabled')!r}")
     if "fp16" in ds:
         fp16 = _section(ds, "fp16")
-        if fp16.get("enabled", False) is not False:
-            raise ValueError("fp16.enabled is true: z3kit has no loss scaling yet, so it does not train in fp16; "
-                             "use bf16 (\"bf16\": {\"enabled\": true}) or fp32, and set fp16.enabled to false")
         unsupported += [f"fp16.{k}" for k in fp16 if k not in _FP16_KEYS]
-        inert += [f"fp16.{k}" for k in fp16]
+        if fp16.get("consecutive_hysteresis", False) is not False:
+            unsupported.append("fp16.consecutive_hysteresis (only false)")
+        if fp16.get("enabled", False) is True:
+            if knobs.get("compute_dtype") == "bf16":
+                raise ValueError("bf16.enabled and fp16.enabled are both true: enable one of them")
+            knobs["compute_dtype"] = "fp16"
+            knobs["loss_scaling"] = LossScaleConfig.from_json(fp16)
+        elif fp16.get("enabled", False) is not False:
+            raise TypeError(f"fp16.enabled must be true, false or \"auto\", got {fp16.get('enabled')!r}")
+        else:
+            inert += [f"fp16.{k}" for k in fp16 if k in _FP16_KEYS]
     if "amp" in ds:
         if _section(ds, "amp").get("enabled", False) is not False:
             unsupported.append("amp")

@@ -72,7 +72,7 @@ class TrainingValues:
     max_grad_norm: float | None = attrs.field(default=None, validator=_optional(_number(at_least=0.0)))
     #: ``bf16.enabled`` (``bf16``)
     bf16: bool | None = attrs.field(default=None, validator=_optional(_flag))
-    #: ``fp16.enabled`` (``fp16``); True is refused where it is used: z3kit has no loss scaling
+    #: ``fp16.enabled`` (``fp16``); True trains in fp16 with loss scaling
     fp16: bool | None = attrs.field(default=None, validator=_optional(_flag))
 
     @betas.validator

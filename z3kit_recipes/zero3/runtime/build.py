@@ -45,6 +45,7 @@ from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
 from z3kit_recipes.zero3.training.layout import ShardLayout
+from z3kit_recipes.zero3.training.loss_scale import LossScaler
 from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
 from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
 from z3kit_recipes.zero3.training.offload import OffloadedStep, measure_masters
@@ -111,6 +112,8 @@ class EngineParts:
     trainable_watch: TrainableWatch
     model_watch: ModelWatch
     stats: StepStats
+    #: fp16 runs' loss scale (``zero3.training.loss_scale``), else None
+    loss_scaler: LossScaler | None = None
 
 
 def assemble(
@@ -202,7 +205,10 @@ def assemble(
     optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,
         masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
+        scaler=LossScaler(config.loss_scaling) if config.compute_dtype == "fp16" else None,
     )
+    if optimizer_step is not None and optimizer_step.scaler is not None:
+        backward.once.engine_backward_required = True  # an fp16 loss must be scaled (see zero3.training.loss_scale)
     stats = StepStats(
         log, memory, policies.limiter,
         comm_wait=lambda: gatherer.comm_wait_s + (0.0 if reducer is None else reducer.comm_wait_s),
@@ -216,6 +222,7 @@ def assemble(
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
+        loss_scaler=None if optimizer_step is None else optimizer_step.scaler,
         trainable_watch=TrainableWatch(
             layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,

@@ -82,7 +82,8 @@ class EngineCore:
     # -- backward --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``; gradients are averaged over ranks and over the
-        ``gradient_accumulation_steps`` micro-steps (no loss scaling needed)."""
+        ``gradient_accumulation_steps`` micro-steps. fp16: the loss is
+        multiplied by the loss scale first (``zero3.training.loss_scale``)."""
         self.require_optimizer("backward()")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward needs the loss tensor, got {type(loss).__name__}")
@@ -93,10 +94,14 @@ class EngineCore:
         before = self.step_state.micro_step
         try:
             self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
-            loss.backward()
+            scaler = self.parts.loss_scaler
+            self.parts.backward.once.in_engine_backward = True
+            (loss if scaler is None else scaler.scale_loss(loss)).backward()
         except BaseException as exc:
             self._abort("backward", exc)
             raise
+        finally:
+            self.parts.backward.once.in_engine_backward = False
         if self.step_state.micro_step == before:  # nothing in backward reached a hook of ours
             self.parts.backward.end()
 
@@ -106,7 +111,9 @@ class EngineCore:
 
     def step(self) -> bool:
         """Optimizer step at a gradient-accumulation boundary (returns True),
-        otherwise nothing (False). Grads are cleared after the step."""
+        otherwise nothing (False). Grads are cleared after the step. fp16: a
+        step whose gradients overflowed is skipped on every rank at its
+        boundary (still True; ``last_step_skipped``, ``stats().skipped_steps``)."""
         self.require_optimizer("step()")
         self.forwards.settle()
         self.watch.check("step()")
@@ -120,14 +127,19 @@ class EngineCore:
             return False
         if self.parts.optimizer_step is not None:
             self.parts.backward.before_step()
-            self.parts.optimizer_step.run()
-            if self.lr_scheduler is not None:
+            stepped = self.parts.optimizer_step.run()
+            if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
         self.coordinator.refresh_persistent()
         self.step_state.global_step += 1
         self.parts.stats.optimizer_step()
         self.parts.timeline.step_boundary()
         return True
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for an fp16 gradient overflow."""
+        return self.parts.loss_scaler is not None and self.parts.loss_scaler.last_skipped
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -59,6 +59,10 @@ class Zero3Stats:
     #: the engine's own host syncs since it was built: reads of a step check or of fetch
     #: comparisons that had to wait for the device (0 on CPU; see ``zero3.training.step_checks``)
     host_waits: int = 0
+    #: fp16: the current loss scale, and the optimizer steps skipped for an overflow (``zero3.training.loss_scale``;
+    #: its one host read per optimizer step counts in ``host_waits`` off the CPU)
+    loss_scale: float | None = None
+    skipped_steps: int = 0
 
     @property
     def comm_wait_share(self) -> float:
@@ -110,6 +114,8 @@ def _table(s: Zero3Stats) -> list[str]:
         f"  trace                 {s.trace_state}, {s.trace_invalidations} invalidation(s); grad norm "
         + ("-" if s.last_grad_norm is None else f"{s.last_grad_norm:.4g}") + f"; host waits {s.host_waits}",
     ]  # fmt: skip
+    if s.loss_scale is not None:
+        lines.append(f"  fp16 loss scale       {s.loss_scale:g}, {s.skipped_steps} step(s) skipped for overflow")
     if s.compile is not None:
         c = s.compile
         lines.append(f"  compile               {len(c.units)} compiled unit(s){', whole model' if c.whole_model else ''}, "
@@ -124,7 +130,7 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
     """``engine.stats()``: the parts' figures, read from their fields."""
     layout, coordinator, reducer, limiter = parts.layout, parts.coordinator, parts.reducer, parts.limiter
     last = parts.stats.last
-    step = parts.optimizer_step
+    step, scaler = parts.optimizer_step, parts.loss_scaler
     return Zero3Stats(
         global_step=parts.step_state.global_step,
         micro_step=parts.step_state.micro_step,
@@ -150,5 +156,7 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         memory=parts.memory.report(device_peak_bytes(parts.device)),
         memory_plan=parts.memory_plan,
         compile=parts.forward_context.stats(),
-        host_waits=parts.backward.host_waits(),
+        host_waits=parts.backward.host_waits() + (0 if scaler is None or parts.device.type == "cpu" else scaler.host_reads),
+        loss_scale=None if scaler is None else scaler.scale,
+        skipped_steps=0 if scaler is None else scaler.skipped,
     )

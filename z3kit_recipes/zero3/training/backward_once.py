@@ -43,8 +43,18 @@ MESSAGE = (
 )
 
 
+ENGINE_BACKWARD_MESSAGE = (
+    "loss.backward() called directly on an fp16 engine: its loss must be multiplied by the loss scale before "
+    "backward, which only the engine can do; call engine.backward(loss) instead (then engine.step())"
+)
+
+
 class BackwardTwice(RuntimeError):
     """A backward with no forward since the last one; refused before any collective."""
+
+
+class EngineBackwardRequired(RuntimeError):
+    """A plain ``loss.backward()`` on an fp16 engine (``zero3.training.loss_scale``); refused before any collective."""
 
 
 class OneBackwardPerForward:
@@ -53,6 +63,9 @@ class OneBackwardPerForward:
     def __init__(self, watch: RankWatch, hooks: ModuleHooks, record: StepRecord, root: nn.Module) -> None:
         self.watch, self.hooks, self.record = watch, hooks, record
         self._forward_pending = False
+        #: fp16: a backward must come through ``engine.backward`` (which sets ``in_engine_backward``)
+        self.engine_backward_required = False
+        self.in_engine_backward = False
 
         @outside_graphs
         def forward_starts(module: nn.Module, args: Any) -> None:
@@ -72,7 +85,9 @@ class OneBackwardPerForward:
         it that would), or count it."""
         try:
             self.check()
-        except BackwardTwice as exc:
+            if self.engine_backward_required and not self.in_engine_backward:
+                raise EngineBackwardRequired(ENGINE_BACKWARD_MESSAGE)
+        except (BackwardTwice, EngineBackwardRequired) as exc:
             self.hooks.reset()  # the refused pre-backward had opened its module's call
             self.watch.failed_here("backward", exc, (self.record.gathers, len(self.record.fetches)))
             raise

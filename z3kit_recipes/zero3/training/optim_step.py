@@ -14,6 +14,7 @@ from torch import nn
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
 from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.training.grads import GradReducer
+from z3kit_recipes.zero3.training.loss_scale import LossScaler
 
 
 class OptimizerStep:
@@ -30,6 +31,7 @@ class OptimizerStep:
         masters_are_shards: bool,
         clip: float,
         memory: MemoryLedger,
+        scaler: LossScaler | None = None,
     ) -> None:
         self.optimizer, self.reducer = optimizer, reducer
         self.shards, self.trainable, self.masters = shards, trainable, masters
@@ -37,6 +39,8 @@ class OptimizerStep:
         #: the global gradient norm before the last clip, on the device (read by ``last_grad_norm``)
         self._last_norm: torch.Tensor | None = None
         self._state_entries = 0
+        #: fp16: the loss scale, which unscales, checks for overflow and may skip the step
+        self.scaler = scaler
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -44,8 +48,15 @@ class OptimizerStep:
         Reading it waits for the device; the step itself never does."""
         return None if self._last_norm is None else float(self._last_norm)
 
-    def run(self) -> None:
-        if self.clip > 0:
+    def run(self) -> bool:
+        """Clip, step, write back; False: skipped for an fp16 overflow (``zero3.training.loss_scale``)."""
+        if self.scaler is not None:
+            finite, self._last_norm = self.scaler.unscale_and_check(self.reducer, self.clip)
+            self.scaler.update(overflow=not finite)
+            if not finite:
+                self.reducer.window.end()
+                return False
+        elif self.clip > 0:
             self._last_norm = self.reducer.clip_(self.clip)
         self._attach_grads(self.reducer.window.optimizer_grads())
         self.optimizer.step()
@@ -57,6 +68,7 @@ class OptimizerStep:
             # optimizers create a parameter's state at its first step and keep
             # its size after that: measure only when new entries appear
             self.measure_state()
+        return True
 
     def _attach_grads(self, grads: list[torch.Tensor | None]) -> None:
         """The window's partitions as the masters' ``.grad`` (``zero3.training.offload`` copies them to the host)."""

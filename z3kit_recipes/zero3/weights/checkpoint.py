@@ -15,7 +15,7 @@ Note: a shard is a dim-0 shard of the flattened parameter.
     slices each rank's new shards need. The padding past ``numel`` is never
     saved and always zero after a load.
 
-What else is saved: scalar optimizer state (Adam's ``step``) and the
+What else is saved: scalar optimizer state (Adam's ``step``), fp16's loss scale, and the
 persistent buffers (rank 0's, replicated); the optimizer's hyperparameters
 (``param_groups``, without the parameters); the user's ``client_state``;
 each rank's random state (restored at the same world size only); and, in
@@ -109,6 +109,8 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
     if engine.lr_scheduler is not None:  # the DeepSpeed JSON's scheduler: where it is in its warmup and decay
         state["lr_scheduler"] = (engine.lr_scheduler.state_dict(),)
     state[f"rng.rank{engine.rank}"] = (_random_state(engine.device),)
+    if engine.parts.loss_scaler is not None:  # fp16: the same on every rank
+        state["loss_scale"] = (engine.parts.loss_scaler.state_dict(),)
     global_step, micro_step = engine.progress()
     metadata = {
         "version": FORMAT_VERSION,
@@ -188,6 +190,9 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
     state["client_state"] = (None,)
     if engine.lr_scheduler is not None and "lr_scheduler" in stored:
         state["lr_scheduler"] = (None,)
+    scaler = engine.parts.loss_scaler
+    if scaler is not None and "loss_scale" in stored:
+        state["loss_scale"] = (None,)
     same_world = manifest["world"] == engine.world
     if same_world:
         state[f"rng.rank{engine.rank}"] = (None,)
@@ -205,6 +210,8 @@ def load_checkpoint(engine: EngineCore, path: str | os.PathLike[str]) -> dict[st
         group.update(saved)
     if engine.reducer is not None:
         engine.reducer.window.restore({engine.param_names.index(name): grad for name, grad in grads.items()})
+    if scaler is not None and "loss_scale" in state:
+        scaler.load_state_dict(state["loss_scale"][0])
     if same_world:
         _restore_random_state(state[f"rng.rank{engine.rank}"][0], engine.device)
     if engine.lr_scheduler is not None and "lr_scheduler" in state:
