@@ -67,6 +67,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
 CASES = {
     "fp32": dict(param_persistence_threshold=0),
     "bf16": dict(param_persistence_threshold=0, compute_dtype="bf16"),
+    # loss scaling on the device, the optimizer on the host: the scaler's verdict gates the host step
+    "fp16": dict(param_persistence_threshold=0, compute_dtype="fp16", gradient_clipping=1.0),
     "accumulate_and_clip": dict(param_persistence_threshold=0, gradient_accumulation_steps=3, gradient_clipping=0.05),
 }
 
@@ -81,7 +83,7 @@ def test_offloaded_training_is_bitwise_the_plain_one(pools: PoolSet, world: int,
         assert mem["fp32_masters"] == 0 and mem["optimizer_state"] == 0
         assert mem["host_fp32_masters"] > 0 and mem["host_optimizer_state"] > 0 and mem["host_grad_partitions"] > 0
         assert "host_fp32_masters" not in plain["memory"]  # host kinds are reported once used
-        if case == "bf16":
+        if case in ("bf16", "fp16"):
             assert mem["host_fp32_masters"] == plain["memory"]["fp32_masters"]
         assert mem["host_optimizer_state"] == plain["memory"]["optimizer_state"]
 
