@@ -60,7 +60,8 @@ def test_dry_run_reports_every_section(tmp_path: Path, world: int) -> None:
 
     timing = sections["timing"]
     assert timing["meaningful"] is False
-    expected = {"z3kit/fsdp2", "z3kit_offload/z3kit"} | (set() if world == 1 else {"z3kit/deepspeed"})
+    expected = {"z3kit/fsdp2", "z3kit_offload/z3kit", "z3kit_offload_fused/z3kit"} | (
+        set() if world == 1 else {"z3kit/deepspeed"})
     for model in ("gpt", "llama"):
         case = timing["cases"][model]
         assert set(case["ratios"]) == expected

@@ -25,19 +25,25 @@ from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON
 from z3kit_recipes.models import Workload
 
 
+#: z3kit with the optimizer state and masters on the host (``Zero3Config.offload_optimizer``): with the
+#: bench's Adam (the same math as ``z3kit``), and with torch's fused Adam, whose CPU kernel the host step wants
+OFFLOADED: Final = ("z3kit_offload", "z3kit_offload_fused")
+
+
 def runtimes(world: int) -> tuple[str, ...]:
-    """The runtimes timed at ``world``; DeepSpeed last (see ``gpu_rank.sections``). ``z3kit_offload``
-    is z3kit with the optimizer state and masters on the host (``Zero3Config.offload_optimizer``)."""
-    return ("z3kit", "z3kit_offload", "fsdp2") if world == 1 else ("z3kit", "z3kit_offload", "fsdp2", "deepspeed")
+    """The runtimes timed at ``world``; DeepSpeed last (see ``gpu_rank.sections``)."""
+    return ("z3kit", *OFFLOADED, "fsdp2") if world == 1 else ("z3kit", *OFFLOADED, "fsdp2", "deepspeed")
 
 
 def _runner(ctx: RankContext, wl: Workload, runtime: str) -> Runner:
-    if runtime in ("z3kit", "z3kit_offload"):
+    if runtime == "z3kit" or runtime in OFFLOADED:
+        from z3kit_recipes.bench.runners import adam, fused_adam
         from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner
         from z3kit_recipes.zero3.config.offload import OffloadConfig
 
-        offload = OffloadConfig() if runtime == "z3kit_offload" else None
-        return Z3kitRunner(wl, ctx.group, attrs.evolve(ctx.config("fp32"), offload_optimizer=offload))
+        offload = OffloadConfig() if runtime in OFFLOADED else None
+        return Z3kitRunner(wl, ctx.group, attrs.evolve(ctx.config("fp32"), offload_optimizer=offload),
+                           optimizer=fused_adam if runtime == "z3kit_offload_fused" else adam)
     if runtime == "fsdp2":
         from z3kit_recipes.bench.runners.torch_native import FSDP2Runner
 
@@ -100,12 +106,13 @@ def merge(per_rank: list[JSON]) -> JSON:
     merged["ratios"] = {
         f"z3kit/{other}": (z3["median_s"] / merged[other]["median_s"]
                            if z3.get("status") == "ok" and merged[other]["status"] == "ok" else None)
-        for other in merged if other not in ("z3kit", "z3kit_offload", "ratios")
+        for other in merged if other not in ("z3kit", *OFFLOADED, "ratios")
     }
-    offloaded = merged.get("z3kit_offload", {})
-    # the offload cliff: a step with the optimizer on the host over one without
-    merged["ratios"]["z3kit_offload/z3kit"] = (
-        offloaded["median_s"] / z3["median_s"] if z3.get("status") == "ok" and offloaded.get("status") == "ok" else None)
+    for name in OFFLOADED:  # the offload cliff: a step with the optimizer on the host over one without
+        offloaded = merged.get(name, {})
+        merged["ratios"][f"{name}/z3kit"] = (
+            offloaded["median_s"] / z3["median_s"] if z3.get("status") == "ok" and offloaded.get("status") == "ok"
+            else None)
     return merged
 
 

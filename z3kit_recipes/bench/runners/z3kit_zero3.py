@@ -14,6 +14,7 @@ from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
+from z3kit_recipes.zero3.training.trainable import OptimizerFactory
 
 
 def shared_config(zero: JSON) -> Zero3Config:
@@ -38,14 +39,15 @@ class Z3kitRunner:
     peak_method = "z3kit engine.stats().peak_live_numel"
 
     def __init__(
-        self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config, *, compiled: CompileSpec | None = None
+        self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config, *, compiled: CompileSpec | None = None,
+        optimizer: OptimizerFactory = adam,
     ) -> None:
         self.wl = wl
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
         if compiled is not None:  # before initialize: each compiled block becomes one fetch unit
             compiled.apply(wl, model)
-        self.engine = initialize(model, optimizer=adam, config=config, process_group=group)
+        self.engine = initialize(model, optimizer=optimizer, config=config, process_group=group)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return engine_step(self.engine, self.wl, x, y)
