@@ -112,8 +112,11 @@ class EngineParts:
     trainable_watch: TrainableWatch
     model_watch: ModelWatch
     stats: StepStats
-    #: fp16 runs' loss scale (``zero3.training.loss_scale``), else None
-    loss_scaler: LossScaler | None = None
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16 runs' loss scale (``zero3.training.loss_scale``), kept by the optimizer step; else None."""
+        return None if self.optimizer_step is None else self.optimizer_step.scaler
 
 
 def assemble(
@@ -222,7 +225,6 @@ def assemble(
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
         forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
-        loss_scaler=None if optimizer_step is None else optimizer_step.scaler,
         trainable_watch=TrainableWatch(
             layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,
