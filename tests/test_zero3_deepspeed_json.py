@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -358,3 +359,23 @@ def test_a_resumed_run_continues_the_json_schedule(pools: PoolSet, tmp_path: Pat
     for out in pools.run(2, _resume_worker, str(HF_JSON), str(tmp_path / "ckpt")):
         assert out["after"] == out["straight"]  # the warmup goes on where it was, not from its start
         assert out["worst"] == 0.0
+
+
+def _short_batch_on_one_rank_worker(ctx: WorkerContext) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    engine = zero3.initialize(_Net(), lambda p: torch.optim.SGD(p, lr=0.1), ds, fresh_group(ctx))
+    started = time.monotonic()
+    try:  # rank 1's last batch is short; rank 0 goes into its forward and gathers
+        engine.backward(engine(torch.randn(3 if ctx.rank == 1 else 4, HIDDEN)).sum())
+        error = ""
+    except Exception as exc:  # noqa: BLE001 - the test reads which error each rank got
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(error=error, seconds=time.monotonic() - started)
+
+
+def test_a_batch_short_on_one_rank_stops_every_rank_in_seconds(pools: PoolSet) -> None:
+    refused, stopped = pools.run(2, _short_batch_on_one_rank_worker)[::-1]
+    assert refused["error"].startswith("ValueError: this training batch has 3 samples")
+    assert stopped["error"].startswith("RankFailed") and "this training batch has 3 samples" in stopped["error"]
+    assert max(refused["seconds"], stopped["seconds"]) < 30  # not the collective timeout

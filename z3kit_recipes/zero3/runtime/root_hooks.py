@@ -212,7 +212,11 @@ class RootForward:
         # so it must not keep parameters gathered for one.
         training = torch.is_grad_enabled() and root.training
         if training and parts.config.micro_batch_size is not None:
-            _check_batch(parts.config.micro_batch_size, args, kwargs)  # before the forward starts anything
+            try:
+                _check_batch(parts.config.micro_batch_size, args, kwargs)  # before the forward starts anything
+            except ValueError as exc:
+                self._abort("forward", exc)  # posted: a rank whose batch alone is short stops the others too
+                raise
         if self.join is not None:  # before any collective of the forward (see zero3.lockstep.join)
             self.join.before_forward(training)
         if not self._engine_forwards:
