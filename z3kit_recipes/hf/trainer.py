@@ -89,6 +89,10 @@ class Zero3Trainer(Trainer):
         # prepared already: Accelerate must not wrap the sharded model in DDP, nor move it
         self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         self.optimizer = EngineOptimizer(self.engine.require_optimizer("Zero3Trainer"))
+        # for Trainer's FLOP count, asked every step: the model's size does not change
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        self._non_embedding_numel = sum(
+            int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embeddings)
 
     # -- the model stays where initialize put it ----------------------------------------------------
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -130,10 +134,7 @@ class Zero3Trainer(Trainer):
         ids = inputs.get("input_ids")
         if not isinstance(ids, torch.Tensor):
             return 0
-        model = self.engine.module
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embeddings)
-        return 6 * ids.numel() * numel
+        return 6 * ids.numel() * self._non_embedding_numel
 
     # -- saving and resuming -----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
