@@ -59,7 +59,7 @@ def _reducer_worker(ctx: WorkerContext, mode: ReduceMode, overlap: bool) -> dict
         grads = reducer.window.optimizer_grads()
         out["grads"] = [None if g is None else g.clone() for g in grads]
         out["partition_bytes"] = memory.current(MemoryKind.GRAD_PARTITIONS)
-        out["norm"] = float(reducer.clip_(1.0))
+        out["norm"] = float(reducer.clip_(1.0)[0])
         clipped = [g for g in reducer.window.optimizer_grads() if g is not None]
         out["clipped_norm"] = float(torch.sqrt(sum((g.double() ** 2).sum() for g in clipped)))
         reducer.window.end()

@@ -43,12 +43,15 @@ class OffloadConfig:
     ``pin_memory``: the host tensors are page-locked where there is an
     accelerator, so that copies to and from it run asynchronously
     (True by default, as in DeepSpeed). ``ratio``: the fraction of the parameters'
-    elements offloaded.
+    elements offloaded. ``overlap``: the host step runs behind the next
+    forward, each gather waiting only for its own parameters' update
+    (``zero3.training.offload``); False steps them inside ``engine.step()``.
     """
 
     device: str = attrs.field(default="cpu", validator=_check_device)
     pin_memory: bool = attrs.field(default=True, validator=bool_validator())
     ratio: float = attrs.field(default=1.0, validator=_check_ratio)
+    overlap: bool = attrs.field(default=True, validator=bool_validator())
 
     def host_params(self, numels: Sequence[int]) -> frozenset[int]:
         """Ids of the parameters (of ``numels`` elements each, in model order)

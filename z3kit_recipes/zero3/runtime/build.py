@@ -204,12 +204,19 @@ def assemble(
         defer_reductions=config.divergent_graphs,
     )
     hooks = backward.hooks
-    step_kind: Any = OptimizerStep if offload is None else functools.partial(OffloadedStep, layout=layout)
+    step_kind: Any = OptimizerStep if offload is None else functools.partial(
+        OffloadedStep, layout=layout, overlap=offload.overlap,
+        final_landing=lambda: (state.micro_step + 1) % config.gradient_accumulation_steps == 0,
+        # the persistent parameters are gathered again right after the step, the rest as the forward needs them
+        gather_order=lambda: [p for p, on in enumerate(coordinator.persistent) if on] + policies.trace.param_order(),
+    )
     optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,
         masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
         scaler=LossScaler(config.loss_scaling) if config.compute_dtype == "fp16" else None,
     )
+    if isinstance(optimizer_step, OffloadedStep):
+        gatherer.before_gather = optimizer_step.host_step.fence  # a gather waits for its shards' update
     if optimizer_step is not None and optimizer_step.scaler is not None:
         backward.once.engine_backward_required = True  # an fp16 loss must be scaled (see zero3.training.loss_scale)
     stats = StepStats(
@@ -228,6 +235,7 @@ def assemble(
         trainable_watch=TrainableWatch(
             layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,
+            settle=(lambda: None) if optimizer_step is None else optimizer_step.settle,
         ),
     )
 

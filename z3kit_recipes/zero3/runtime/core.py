@@ -162,10 +162,16 @@ class EngineCore:
 
     # -- between steps -------------------------------------------------------------------------
     def check_idle(self, what: str) -> None:
-        """Refuse ``what`` inside a forward or backward."""
+        """Refuse ``what`` inside a forward or backward; else wait for an optimizer step still running."""
         self.forwards.settle()
         if self.step_state.busy:
             raise RuntimeError(f"{what} cannot be used inside a forward or backward")
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for an optimizer step still running on the host (``zero3.training.offload``)."""
+        if self.parts.optimizer_step is not None:
+            self.parts.optimizer_step.settle()
 
     def shards_changed(self) -> None:
         """The shards were written from outside (a load): gathered copies are stale."""
@@ -194,12 +200,14 @@ class EngineCore:
         persistent parameters' refresh gathering). Call it before stopping a
         torch profiler: a gloo work issued under the profiler and completed
         after it stopped can crash the process."""
+        self.settle()
         self.coordinator.gatherer.wait_inflight()
         self.parts.gather_streams.synchronize()
         self.parts.reduce_streams.synchronize()
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> Zero3Stats:
+        self.settle()
         return collect_stats(self.parts)
 
     def gathered_numel(self) -> int:

@@ -20,7 +20,7 @@ Note: the prefetch frontier.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -68,10 +68,14 @@ class Gatherer:
         self._frontier = 0
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
+        #: called with the parameters of each gather before it is issued (offload: their update must be written)
+        self.before_gather: Callable[[Sequence[int]], None] | None = None
 
     # -- issue and complete --------------------------------------------------------------
     def gather(self, pids: list[int], *, wait: bool) -> None:
         """One collective for ``pids`` (all NOT_AVAILABLE); completed now with ``wait``."""
+        if self.before_gather is not None:
+            self.before_gather(pids)
         self.limiter.on_gather(sum(self.numels[p] for p in pids))
         handle = gather_shards([self.shards[p] for p in pids], self.group, streams=self.streams, async_op=True, log=self.log)
         self.record.gathers += 1
@@ -119,6 +123,8 @@ class Gatherer:
         of ``install`` (NOT_AVAILABLE here) and discards the rest, whatever
         their status here. Completed now, on the compute stream: the rounds
         wait for their agreement anyway, so there is nothing to overlap."""
+        if self.before_gather is not None:
+            self.before_gather(pids)
         shards = [self.shards[p] for p in pids]
         world = shards[0].world
         mine = torch.cat([s.shard for s in shards])

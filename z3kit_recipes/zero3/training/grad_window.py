@@ -11,7 +11,7 @@ and clipping read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +33,8 @@ class GradWindow:
         #: None between an optimizer step and the first landing after it
         self.partitions: GradPartitionBuffer | None = None
         self._used: set[int] = set()
+        #: told each landing: the parameter and its accumulated partition (offload streams it to the host)
+        self.on_landed: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -45,6 +47,8 @@ class GradWindow:
             self.partitions = GradPartitionBuffer(self._numels, dtype=torch.float32, device=self.device)
             self.memory.allocate(MemoryKind.GRAD_PARTITIONS, tensor_bytes(self.partitions.buffer))
         self.partitions.accumulate(self.slot[pid], partition)
+        if self.on_landed is not None:
+            self.on_landed(pid, self.partitions.views[self.slot[pid]])
 
     def mark_used(self, pids: Iterable[int]) -> None:
         """These parameters got a gradient on some rank (agreed across ranks)."""

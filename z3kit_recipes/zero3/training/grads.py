@@ -129,8 +129,10 @@ class GradReducer:
         #: partition slot of each trainable parameter id
         self.slot = {pid: i for i, pid in enumerate(trainable)}
         #: this accumulation window's partitions (``zero3.training.grad_window``)
+        listener = self.window.on_landed
         self.window = GradWindow(self.slot, [shards[p].shard_numel for p in trainable], device=self.device,
                                  memory=self.memory, number=self.window.number)
+        self.window.on_landed = listener
         self._numels = {pid: shards[pid].numel for pid in trainable}
         self._padded = {pid: shards[pid].padded_numel for pid in trainable}
         total = sum(self._padded.values())
@@ -299,13 +301,14 @@ class GradReducer:
         """These parameters got a gradient on some rank in a backward of this window (agreed across ranks)."""
         self.window.mark_used(pids)
 
-    def clip_(self, max_norm: float) -> torch.Tensor:
+    def clip_(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale the partitions so the global gradient norm is at most
-        ``max_norm``; returns the norm before clipping. All on the device
-        (``z3kit.grad_partition.clip_coefficient``)."""
+        ``max_norm``; returns the norm before clipping and the factor applied.
+        All on the device (``z3kit.grad_partition.clip_coefficient``)."""
         squared = self.window.squared_norm().reshape(1).to(torch.float32)
         pending = all_reduce(squared, self.group, async_op=True, log=self.log)
         self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]
-        self.window.scale_(clip_coefficient(norm, max_norm))
-        return norm
+        factor = clip_coefficient(norm, max_norm)
+        self.window.scale_(factor)
+        return norm, factor

@@ -69,20 +69,22 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_and_check(self, reducer: GradReducer, clip: float) -> tuple[bool, torch.Tensor]:
+    def unscale_and_check(self, reducer: GradReducer, clip: float) -> tuple[bool, torch.Tensor, float | torch.Tensor]:
         """Whether the window's gradients are finite on every rank (collective,
-        see the Note), and the unscaled global norm; finite gradients are
-        unscaled (and clipped, ``clip > 0``, by that norm) in place."""
+        see the Note), the unscaled global norm, and the factor finite
+        gradients were multiplied by in place (unscaled, and clipped by that
+        norm where ``clip > 0``)."""
         squared = reducer.window.squared_norm().reshape(1).to(torch.float32)
         pending = all_reduce(squared, reducer.group, async_op=True, log=reducer.log)
         reducer.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0] / self.scale
         self.host_reads += 1
         finite = bool(torch.isfinite(norm))
+        factor: float | torch.Tensor = 1.0 / self.scale
         if finite:
-            factor = 1.0 / self.scale
-            reducer.window.scale_(factor * clip_coefficient(norm, clip) if clip > 0 else factor)
-        return finite, norm
+            factor = factor * clip_coefficient(norm, clip) if clip > 0 else factor
+            reducer.window.scale_(factor)
+        return finite, norm, factor
 
     def update(self, overflow: bool) -> None:
         """Count the step and move the scale (see the Note on overflows);

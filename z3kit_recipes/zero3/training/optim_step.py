@@ -50,33 +50,41 @@ class OptimizerStep:
 
     def run(self) -> bool:
         """Clip, step, write back; False: skipped for an fp16 overflow (``zero3.training.loss_scale``)."""
+        self.settle()
+        self._before_scaling()
+        factor: float | torch.Tensor | None = None
         if self.scaler is not None:
-            finite, self._last_norm = self.scaler.unscale_and_check(self.reducer, self.clip)
+            finite, self._last_norm, factor = self.scaler.unscale_and_check(self.reducer, self.clip)
             self.scaler.update(overflow=not finite)
             if not finite:
                 self.reducer.window.end()
                 return False
         elif self.clip > 0:
-            self._last_norm = self.reducer.clip_(self.clip)
-        self._attach_grads(self.reducer.window.optimizer_grads())
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self._write_back()
+            self._last_norm, factor = self.reducer.clip_(self.clip)
+        self._step(self.reducer.window.optimizer_grads(), factor)
         self.reducer.window.end()
+        self._measure_if_grown()
+        return True
+
+    def _measure_if_grown(self) -> None:
         if len(self.optimizer.state) != self._state_entries:
             # optimizers create a parameter's state at its first step and keep
             # its size after that: measure only when new entries appear
             self.measure_state()
-        return True
 
-    def _attach_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """The window's partitions as the masters' ``.grad`` (``zero3.training.offload`` copies them to the host)."""
+    def settle(self) -> None:
+        """Wait for a step still running (``zero3.training.offload`` steps behind the next forward)."""
+
+    def _before_scaling(self) -> None:
+        """Before the window is unscaled or clipped in place (offload copies it to the host first)."""
+
+    def _step(self, grads: list[torch.Tensor | None], factor: float | torch.Tensor | None) -> None:
+        """The optimizer's step on the window's partitions, which ``factor`` already scaled (None: not scaled)."""
         for master, grad in zip(self.masters, grads):
             master.grad = grad
-
-    def _write_back(self) -> None:
-        """The updated masters into the compute-dtype shards, when those are separate."""
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
         if not self.masters_are_shards:
             for pid, master in zip(self.trainable, self.masters):
                 self.shards[pid].shard.copy_(master.detach())

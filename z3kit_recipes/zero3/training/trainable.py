@@ -105,10 +105,13 @@ class TrainableWatch:
         watch: RankWatch,
         memory: MemoryLedger,
         micro_step: Callable[[], int],
+        settle: Callable[[], None],
     ) -> None:
         self.layout, self.names = layout, names
         self.optimizer, self.factory, self.reducer, self.backward = optimizer, factory, reducer, backward
         self.watch, self.memory, self.micro_step = watch, memory, micro_step
+        #: waits for an optimizer step still running (``zero3.training.offload``) before the optimizer changes
+        self.settle = settle
         self._params = [shard.param for shard in layout.shards]
         self._seen = self._flags()
 
@@ -139,6 +142,7 @@ class TrainableWatch:
                 f"parameters {shown} were unfrozen in the middle of a gradient-accumulation window; change "
                 "requires_grad between optimizer steps (after engine.step() returned True, or after zero_grad())"
             )
+        self.settle()
         digest = hashlib.blake2b(repr(names).encode(), digest_size=6).hexdigest()
         self.watch.left_trace((self.micro_step(), -1), f"unfroze {len(pids)} parameter(s) (names hash {digest})")
         masters = self.layout.new_masters(pids)
