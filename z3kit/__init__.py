@@ -9,6 +9,7 @@ from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.leaf import LeafModuleHook
+from z3kit.links import LinkClass, Topology
 from z3kit.nested import iter_tensors, map_tensors
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePolicy
@@ -29,6 +30,7 @@ __all__ = [
     "HookActions",
     "ImmediateReleasePolicy",
     "LeafModuleHook",
+    "LinkClass",
     "ModuleHooks",
     "ParamShard",
     "ParamStatus",
@@ -43,6 +45,7 @@ __all__ = [
     "StreamPair",
     "StreamPairLike",
     "SyncStreamPair",
+    "Topology",
     "TraceFetch",
     "TraceRecorder",
     "TraceState",

@@ -5,7 +5,8 @@ to the default group. Reductions are SUM followed by an explicit scale,
 because gloo refuses PREMUL_SUM and has had AVG bugs, and HCCL has no AVG.
 Only contiguous tensors are accepted: gloo silently gives wrong results for
 non-contiguous views. Each call is counted, with its bytes, in an optional
-``CollectiveLog``.
+``CollectiveLog``; given a ``Topology``, the log also adds up what this rank
+received over intra-node and inter-node links (``z3kit.links``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from z3kit.links import LinkClass, Placement, Topology, received_bytes
 from z3kit.process_group import waits_on_host
 
 ProcessGroup = dist.ProcessGroup
@@ -46,15 +48,31 @@ class CollectiveKind(enum.Enum):
 
 @attrs.define
 class CollectiveLog:
-    """Calls and bytes per collective kind (bytes: the input each rank sends)."""
+    """Calls and bytes per collective kind (bytes: the input each rank sends), and,
+    with a ``topology``, the bytes this rank received per link class (``z3kit.links``;
+    a call recorded without its group counts no link bytes)."""
 
     calls: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
     bytes: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
     #: every call in issue order, (kind, bytes), once set to a list: a communicator pairs
     #: collectives by issue order, so ranks whose lists differ would mispair (tests compare them)
     order: list[tuple[CollectiveKind, int]] | None = None
+    topology: Topology | None = None
+    link_bytes: dict[LinkClass, int] = attrs.field(factory=lambda: {c: 0 for c in LinkClass})
+    # each group's placement, found once: torch's rank lookup is Python code, and this runs per collective
+    _placements: dict[ProcessGroup, Placement] = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
-    def record(self, kind: CollectiveKind, nbytes: int) -> None:
+    def record(self, kind: CollectiveKind, nbytes: int, group: ProcessGroup | None = None, src: int | None = None) -> None:
+        """Count one call of ``nbytes`` (what this rank sends) over ``group``; ``src``:
+        a broadcast's source, as a group rank."""
+        # links first: a group the topology lacks raises before anything is counted
+        if self.topology is not None and group is not None:
+            placement = self._placements.get(group)
+            if placement is None:
+                placement = self._placements[group] = Placement.of(group, self.topology)
+            received = received_bytes(kind.value, nbytes, placement, src)
+            self.link_bytes[LinkClass.INTRA_NODE] += received.intra_node
+            self.link_bytes[LinkClass.INTER_NODE] += received.inter_node
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
         if self.order is not None:
@@ -67,10 +85,16 @@ class CollectiveLog:
         """Plain-data copy: {kind: {"calls": n, "bytes": b}}."""
         return {k.value: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in CollectiveKind}
 
+    def link_snapshot(self) -> dict[str, int]:
+        """Plain-data copy of the bytes received per link class: {"intra_node": b, "inter_node": b}."""
+        return {c.value: self.link_bytes[c] for c in LinkClass}
+
     def reset(self) -> None:
         for k in CollectiveKind:
             self.calls[k] = 0
             self.bytes[k] = 0
+        for c in LinkClass:
+            self.link_bytes[c] = 0
 
 
 #: how a caller waits for a collective: called with ``(is_completed, wait)``, it
@@ -205,7 +229,7 @@ def _gather_by_broadcasts(
     works = []
     for src in range(world):
         if log is not None:
-            log.record(CollectiveKind.BROADCAST, n * input.element_size())
+            log.record(CollectiveKind.BROADCAST, n * input.element_size(), group, src)
         works.append(dist.broadcast(chunks[src], group_src=src, group=group, async_op=async_op))
     return works
 
@@ -231,7 +255,7 @@ def all_gather(
         work: Any = _gather_by_broadcasts(output, input, group, world, async_op, log)
     else:
         if log is not None:
-            log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size())
+            log.record(CollectiveKind.ALL_GATHER, input.numel() * input.element_size(), group)
         work = _all_gather_single(output, input, group=group, async_op=async_op)
     pending = Pending(work if async_op else None, waits_on_host=waits_on_host(group))
     if not async_op:
@@ -260,7 +284,7 @@ def reduce_scatter(
             f"output ({output.numel()}) = {world * output.numel()}"
         )
     if log is not None:
-        log.record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
+        log.record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size(), group)
     work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     pending = Pending(work if async_op else None, _scaler(output, scale), waits_on_host=waits_on_host(group))
     if not async_op:
@@ -281,7 +305,7 @@ def all_reduce(
     _check_tensor("tensor", tensor)
     _check_scale(scale, tensor)
     if log is not None:
-        log.record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
+        log.record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size(), group)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     pending = Pending(work if async_op else None, _scaler(tensor, scale), waits_on_host=waits_on_host(group))
     if not async_op:
@@ -304,7 +328,7 @@ def broadcast(
     if not 0 <= src_rank < world:
         raise ValueError(f"src_rank must be in [0, {world}), got {src_rank}")
     if log is not None:
-        log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
+        log.record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size(), group, src_rank)
     work = dist.broadcast(tensor, group_src=src_rank, group=group, async_op=async_op)
     return Pending(work if async_op else None, None, waits_on_host=waits_on_host(group))
 

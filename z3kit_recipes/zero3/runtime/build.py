@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import ModuleHooks
+from z3kit.links import Topology
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
@@ -134,7 +135,8 @@ def assemble(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
-    log, memory, state = CollectiveLog(), MemoryLedger(), StepState()
+    # the topology is over global ranks (the default group's), whatever group the engine runs on
+    log, memory, state = CollectiveLog(topology=Topology.from_env(dist.get_world_size())), MemoryLedger(), StepState()
     watch = RankWatch(
         group,
         timeout_s=collective_timeout(config.collective_timeout_s, group),

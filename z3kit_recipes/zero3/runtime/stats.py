@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from z3kit.links import LinkClass
 from z3kit.memory import MemoryKind, MemoryReport, device_peak_bytes, storage_bytes
 from z3kit_recipes.zero3.compile.compiled import CompileStats
 from z3kit_recipes.zero3.config.budget import MemoryPlan
@@ -20,7 +21,9 @@ class Zero3Stats:
     """Figures of the last step, as data (``engine.stats()``).
 
     ``collectives`` counts calls and bytes per kind since the previous
-    ``step()`` boundary; memory figures count elements on this rank.
+    ``step()`` boundary, ``link_bytes`` the bytes this rank received in
+    them per link class (``z3kit.links``); memory figures count elements on
+    this rank.
     """
 
     global_step: int
@@ -63,6 +66,11 @@ class Zero3Stats:
     #: its one host read per optimizer step counts in ``host_waits`` off the CPU)
     loss_scale: float | None = None
     skipped_steps: int = 0
+    #: bytes this rank received since the previous ``step()`` boundary from ranks on its own node
+    #: ("intra_node") and on other nodes ("inter_node"), under the direct-exchange model of
+    #: ``z3kit.links``; nodes as torchrun's ``LOCAL_WORLD_SIZE`` says (one node without it)
+    link_bytes: dict[str, int] = attrs.field(factory=lambda: {link.value: 0 for link in LinkClass})
+    nodes: int = 1
 
     @property
     def comm_wait_share(self) -> float:
@@ -114,6 +122,9 @@ def _table(s: Zero3Stats) -> list[str]:
         f"  trace                 {s.trace_state}, {s.trace_invalidations} invalidation(s); grad norm "
         + ("-" if s.last_grad_norm is None else f"{s.last_grad_norm:.4g}") + f"; host waits {s.host_waits}",
     ]  # fmt: skip
+    if s.nodes > 1:
+        lines.append(f"  received by link      intra-node {size(s.link_bytes['intra_node'])}, "
+                     f"inter-node {size(s.link_bytes['inter_node'])} in the last step ({s.nodes} nodes)")
     if s.loss_scale is not None:
         lines.append(f"  fp16 loss scale       {s.loss_scale:g}, {s.skipped_steps} step(s) skipped for overflow")
     if s.compile is not None:
@@ -159,4 +170,6 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         host_waits=parts.backward.host_waits() + (0 if scaler is None or parts.device.type == "cpu" else scaler.host_reads),
         loss_scale=None if scaler is None else scaler.scale,
         skipped_steps=0 if scaler is None else scaler.skipped,
+        link_bytes=last.link_bytes,
+        nodes=1 if parts.log.topology is None else parts.log.topology.nodes(),
     )

@@ -1,8 +1,9 @@
 """The per-step clock that fills ``Zero3Stats`` (``zero3.runtime.stats``).
 
 ``StepStats`` is told of each optimizer step and each training forward; it
-keeps the collectives, wall time, communication waits and rank checks of the
-last step, and the high-water of gathered parameters.
+keeps the collectives, the bytes received per link class, wall time,
+communication waits and rank checks of the last step, and the high-water of
+gathered parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class StepFigures:
     rank_check_s: float
     #: high-water of gathered elements during the step
     peak_live_numel: int
+    #: bytes this rank received per link class (``CollectiveLog.link_snapshot``)
+    link_bytes: dict[str, int]
 
 
 class StepStats:
@@ -43,9 +46,11 @@ class StepStats:
     ) -> None:
         self._log, self._memory, self._limiter = log, memory, limiter
         self._comm_wait, self._rank_check = comm_wait, rank_check
-        self._at_step = (log.snapshot(), time.perf_counter(), 0.0, 0.0)
+        self._at_step = (log.snapshot(), log.link_snapshot(), time.perf_counter(), 0.0, 0.0)
         self._new_memory_window = True
-        self.last = StepFigures(_diff(log.snapshot(), log.snapshot()), 0.0, 0.0, 0.0, 0)
+        self.last = StepFigures(
+            _diff(log.snapshot(), log.snapshot()), 0.0, 0.0, 0.0, 0, {link: 0 for link in log.link_snapshot()}
+        )
 
     def training_forward(self) -> None:
         """The first training forward after a step opens a new window of memory peaks."""
@@ -54,14 +59,16 @@ class StepStats:
             self._memory.reset_peaks()
 
     def optimizer_step(self) -> None:
-        log_before, clock_before, wait_before, check_before = self._at_step
-        now = (self._log.snapshot(), time.perf_counter(), self._comm_wait(), self._rank_check())
+        log_before, links_before, clock_before, wait_before, check_before = self._at_step
+        log = self._log
+        now = (log.snapshot(), log.link_snapshot(), time.perf_counter(), self._comm_wait(), self._rank_check())
         self.last = StepFigures(
             collectives=_diff(now[0], log_before),
-            step_time_s=now[1] - clock_before,
-            comm_wait_s=now[2] - wait_before,
-            rank_check_s=now[3] - check_before,
+            step_time_s=now[2] - clock_before,
+            comm_wait_s=now[3] - wait_before,
+            rank_check_s=now[4] - check_before,
             peak_live_numel=self._limiter.high_water,
+            link_bytes={link: now[1][link] - links_before[link] for link in now[1]},
         )
         self._at_step = now
         self._limiter.reset_high_water()
