@@ -10,6 +10,7 @@ two ranks per node, ranks 0 and 1 are on node 0, ranks 2 and 3 on node 1.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -208,7 +209,9 @@ def _engine_worker(ctx: WorkerContext, local_world_size: str) -> dict[str, Any]:
         torch.manual_seed(0)
         config = GPTConfig(vocab_size=40, width=16, n_layer=2, n_head=2, seq_len=8)
         config3 = zero3.Zero3Config(param_persistence_threshold=0)
-        engine = zero3.initialize(GPT(config), torch.optim.AdamW, config3, ctx.group)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            engine = zero3.initialize(GPT(config), torch.optim.AdamW, config3, ctx.group)
     finally:
         if saved is None:
             del os.environ["LOCAL_WORLD_SIZE"]
@@ -218,7 +221,8 @@ def _engine_worker(ctx: WorkerContext, local_world_size: str) -> dict[str, Any]:
         engine.backward(engine(torch.randint(0, 40, (2, 8))).float().logsumexp(-1).mean())
         engine.step()
     stats = engine.stats()
-    return {"link_bytes": stats.link_bytes, "nodes": stats.nodes, "collectives": stats.collectives, "text": str(stats)}
+    return {"link_bytes": stats.link_bytes, "nodes": stats.nodes, "collectives": stats.collectives, "text": str(stats),
+            "warnings": [str(w.message) for w in seen]}
 
 
 @pytest.mark.parametrize("local_world_size", ["2", "4"])
@@ -248,3 +252,11 @@ def test_engine_stats_report_bytes_per_link(pools: PoolSet, local_world_size: st
             assert line is None, r["text"]  # one node: no line for it
     # every rank did the same step, so the same bytes crossed into each
     assert len({tuple(r["link_bytes"].items()) for r in results}) == 1
+
+
+def test_nodes_of_different_sizes_train_without_traffic_by_link(pools: PoolSet) -> None:
+    """LOCAL_WORLD_SIZE that does not divide the world (nodes of 3 and 1 ranks): the run
+    goes on, on every rank, with a warning and no figures by link (they are only a report)."""
+    for r in pools.run(4, _engine_worker, "3", timeout=120):
+        assert r["link_bytes"] == {"intra_node": 0, "inter_node": 0} and r["nodes"] == 1
+        assert any("no traffic by link class" in w and "LOCAL_WORLD_SIZE='3'" in w for w in r["warnings"]), r

@@ -11,6 +11,7 @@ them, and the statistics.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -135,8 +136,7 @@ def assemble(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
-    # the topology is over global ranks (the default group's), whatever group the engine runs on
-    log, memory, state = CollectiveLog(topology=Topology.from_env(dist.get_world_size())), MemoryLedger(), StepState()
+    log, memory, state = CollectiveLog(topology=_topology()), MemoryLedger(), StepState()
     watch = RankWatch(
         group,
         timeout_s=collective_timeout(config.collective_timeout_s, group),
@@ -240,6 +240,18 @@ def assemble(
             settle=(lambda: None) if optimizer_step is None else optimizer_step.settle,
         ),
     )
+
+
+def _topology() -> Topology | None:
+    """Which ranks share a node, over global ranks (the default group's), whatever group
+    the engine runs on; None (no traffic by link) where torchrun's ``LOCAL_WORLD_SIZE``
+    differs between nodes: the figures are only a report, and a launch that ran before
+    must not fail, on some ranks only, for them."""
+    try:
+        return Topology.from_env(dist.get_world_size())
+    except ValueError as exc:
+        warnings.warn(f"z3kit reports no traffic by link class: {exc}", stacklevel=3)
+        return None
 
 
 def _build_optimizer(
