@@ -197,7 +197,8 @@ class EngineCore:
 
     def synchronize(self) -> None:
         """Wait for this rank's communication in flight (``step()`` leaves the
-        persistent parameters' refresh gathering). Call it before stopping a
+        persistent parameters' refresh gathering) and for an offloaded
+        optimizer step still running on the host. Call it before stopping a
         torch profiler: a gloo work issued under the profiler and completed
         after it stopped can crash the process."""
         self.settle()
