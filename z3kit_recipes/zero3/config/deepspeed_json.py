@@ -157,6 +157,13 @@ def read_deepspeed(
             take(_ZERO_KEYS[zkey], name, zvalue)
         elif zkey in _INERT_ZERO:
             inert.append(name)
+        elif zkey == "mics_shard_size":
+            _mics_shard_size(name, zvalue, knobs)
+        elif zkey == "zero_hpz_partition_size":
+            if zvalue != 1:  # DeepSpeed's default, 1, is hpZ off
+                raise ValueError(f"{name} (hpZ, a secondary partition of the parameters) is not yet supported by "
+                                 "z3kit; remove it or set it to 1. HSDP/MiCS (mics_shard_size) is")
+            inert.append(name)
         elif zkey in ("offload_optimizer", "offload_param"):
             _offload(name, zvalue, inert, offloaded, unsupported)
             if zkey == "offload_optimizer" and name in offloaded:  # real offload (zero3.training.offload)
@@ -203,7 +210,7 @@ def supported_keys() -> list[str]:
     """Every key of a DeepSpeed JSON that z3kit accepts, for messages."""
     return sorted([*_TOP_LEVEL, *_BATCH, *_INERT_TOP_LEVEL, "bf16.enabled", *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
         + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *_INERT_ZERO, "offload_optimizer",
-                                                    "offload_param"))
+                                                    "offload_param", "mics_shard_size"))
 
 
 def _section(ds: Mapping[str, Any], key: str, spelled: str | None = None) -> Mapping[str, Any]:
@@ -286,6 +293,17 @@ def _precision(ds: Mapping[str, Any], knobs: dict[str, Any], inert: list[str], u
             unsupported.append("amp")
         else:
             inert.append("amp")
+
+
+def _mics_shard_size(name: str, value: Any, knobs: dict[str, Any]) -> None:
+    """DeepSpeed's MiCS shard size: ranks per shard group; -1 (its default) is off (flat ZeRO-3)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if value == -1:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive number of ranks per shard group, or -1 (off), got {value!r}")
+    knobs["mics_shard_size"] = value
 
 
 def _offload(name: str, value: Any, inert: list[str], offloaded: list[str], unsupported: list[str]) -> None:

@@ -8,6 +8,18 @@ pair, keeps at most ``MAX_FLIGHTS`` of them in flight, completes each one
 the accumulation window (``zero3.training.grad_window``), in the order they
 were issued, and keeps the seconds blocked on them. What to reduce and when
 is the ``GradReducer``'s (``zero3.training.grads``).
+
+Note: HSDP's second stage.
+    Under HSDP (``zero3.ranks.topology``) a reduction is the reduce-scatter
+    (or all-reduce) within the shard group, then an all-reduce of this
+    rank's reduced partitions across the replicate group, both scaled once,
+    to the mean over every rank. The second is issued right after the first
+    completes, at issue time, never at landing: landing depends on timing,
+    and two ranks that issued one group's collective before another
+    group's in different orders could wait on each other for ever (on NCCL,
+    where one stream serializes both). Completing the first is a stream
+    wait on accelerators, and blocks the host on gloo, so there only the
+    second stage overlaps with compute. The flight then lands the second.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ class ReductionFlights:
         *,
         rank: int,
         group: ProcessGroup,
+        replicate: ProcessGroup | None = None,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -63,6 +76,8 @@ class ReductionFlights:
         self.shards, self.rank = shards, rank
         self.group, self.waiter, self.streams, self.log, self.memory = group, waiter, streams, log, memory
         self.mode, self.scale = mode, scale
+        #: HSDP: the ranks holding the same partitions, across which they are all-reduced (see the Note)
+        self.replicate = replicate
         self._flights: list[_Flight] = []
         #: reductions left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[_Flight] = []
@@ -79,7 +94,12 @@ class ReductionFlights:
         self._make_room(window)
         with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
             flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
-        self._flights.append(_Flight(flush, None, [], bucket.nbytes))
+        if self.replicate is None:
+            self._flights.append(_Flight(flush, None, [], bucket.nbytes))
+            return
+        parts = flush.wait(self.waiter)  # the shard group's stage done (see the Note)
+        self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
+        self._flights.append(self._across_replicas(parts, f"{len(bucket)} grads"))
 
     def issue_alone(self, pid: int, grad: torch.Tensor, window: GradWindow) -> None:
         """Reduce one gradient, in place when it needs no padding, else through a
@@ -107,7 +127,24 @@ class ReductionFlights:
                 pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
                 pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
-        self._flights.append(_Flight(pending, ticket, [(pid, out)], held))
+        if self.replicate is None:
+            self._flights.append(_Flight(pending, ticket, [(pid, out)], held))
+            return
+        self.streams.complete(ticket, lambda: self.waiter(pending.is_completed, pending.wait))  # see the Note
+        self.memory.free(MemoryKind.GRAD_BUCKETS, held)
+        self._flights.append(self._across_replicas([(pid, out)], f"gradient #{pid}"))
+
+    def _across_replicas(self, parts: list[tuple[int, torch.Tensor]], what: str) -> _Flight:
+        """All-reduce the shard group's reduced ``parts`` across the replicas,
+        through one contiguous buffer (HSDP's second stage, see the Note)."""
+        assert self.replicate is not None
+        flat = torch.cat([part.reshape(-1) for _, part in parts])  # contiguous: gloo misreads views
+        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(flat))
+        with self.streams.communicate(reads=[flat], writes=[flat], label=f"all_reduce across replicas of {what}") as ticket:
+            # already scaled to the mean over every rank: a plain sum here
+            pending = all_reduce(flat, self.replicate, async_op=True, log=self.log)
+        sizes = [part.numel() for _, part in parts]
+        return _Flight(pending, ticket, list(zip([pid for pid, _ in parts], flat.split(sizes))), tensor_bytes(flat))
 
     def _make_room(self, window: GradWindow) -> None:
         if len(self._flights) >= MAX_FLIGHTS:
