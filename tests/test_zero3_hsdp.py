@@ -275,19 +275,29 @@ def run_config_errors(ctx: Any) -> dict[str, Any]:
     mesh = _mesh()
     catch("both", process_group=ctx.group, device_mesh=mesh)
     catch("disagree", config=zero3.Zero3Config(mics_shard_size=4), device_mesh=mesh)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    catch("order", device_mesh=DeviceMesh("cpu", torch.tensor([[1, 0], [3, 2]]), mesh_dim_names=MESH_NAMES))
     whole = zero3.initialize(MLP(), opt, zero3.Zero3Config(mics_shard_size=4))
     t = whole.topology
-    return {"errors": errors, "flat": (t.replicate_group is None, t.mesh is None, t.shape, whole.shards[0].world)}
+    with torch.device("meta"):  # made on every rank from one seed: the replicas start equal
+        on_meta = MLP()
+    hsdp = zero3.initialize(on_meta, opt, zero3.Zero3Config(mics_shard_size=2))
+    return {"errors": errors, "flat": (t.replicate_group is None, t.mesh is None, t.shape, whole.shards[0].world),
+            "meta_init": hsdp.full_state_dict()}
 
 
 def test_configuration_errors(pools: Any) -> None:
-    r = pools.run(4, run_config_errors)[0]
+    results = pools.run(4, run_config_errors)
+    r = results[0]
     e = r["errors"]
     assert "mics_shard_size=3" in e["not_dividing"] and "world size 4" in e["not_dividing"]
     assert "2-D" in e["one_dim"] and "2-D" in e["names"] and "('replicate', 'shard')" in e["names"]
     assert "not both" in e["both"]
     assert "disagree" in e["disagree"]
+    assert "increasing order" in e["order"]
     assert r["flat"] == (True, True, [1, 4], 4), "mics_shard_size equal to the world is flat ZeRO-3"
+    assert all(_equal(x["meta_init"], r["meta_init"]) for x in results)
 
 
 def test_deepspeed_json_mics_shard_size() -> None:

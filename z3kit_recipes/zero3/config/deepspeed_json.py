@@ -13,6 +13,8 @@ among them) works unedited:
   parameters, so the note says memory is higher than DeepSpeed's);
 - ``offload_optimizer`` to the CPU becomes ``Zero3Config.offload_optimizer``
   (``zero3.config.offload``): the optimizer steps on the host;
+- ``zero_optimization.mics_shard_size`` is HSDP (``Zero3Config.mics_shard_size``;
+  DeepSpeed's default, -1, is off); hpZ (``zero_hpz_partition_size`` > 1) is refused;
 - keys that would change the result and that z3kit does not implement are
   refused by name;
 - the batch sizes are related as DeepSpeed relates them
@@ -157,12 +159,13 @@ def read_deepspeed(
             take(_ZERO_KEYS[zkey], name, zvalue)
         elif zkey in _INERT_ZERO:
             inert.append(name)
-        elif zkey == "mics_shard_size":
-            _mics_shard_size(name, zvalue, knobs)
+        elif zkey == "mics_shard_size":  # HSDP: ranks per shard group; DeepSpeed's default, -1, is off
+            if zvalue not in (-1, -1.0):
+                take("mics_shard_size", name, int(zvalue) if isinstance(zvalue, float) and zvalue.is_integer() else zvalue)
+        elif zkey == "zero_hpz_partition_size" and zvalue != 1:  # DeepSpeed's default, 1, is hpZ off
+            raise ValueError(f"{name} (hpZ, a secondary partition of the parameters) is not yet supported by z3kit; "
+                             "remove it or set it to 1. HSDP/MiCS (mics_shard_size) is")
         elif zkey == "zero_hpz_partition_size":
-            if zvalue != 1:  # DeepSpeed's default, 1, is hpZ off
-                raise ValueError(f"{name} (hpZ, a secondary partition of the parameters) is not yet supported by "
-                                 "z3kit; remove it or set it to 1. HSDP/MiCS (mics_shard_size) is")
             inert.append(name)
         elif zkey in ("offload_optimizer", "offload_param"):
             _offload(name, zvalue, inert, offloaded, unsupported)
@@ -293,17 +296,6 @@ def _precision(ds: Mapping[str, Any], knobs: dict[str, Any], inert: list[str], u
             unsupported.append("amp")
         else:
             inert.append("amp")
-
-
-def _mics_shard_size(name: str, value: Any, knobs: dict[str, Any]) -> None:
-    """DeepSpeed's MiCS shard size: ranks per shard group; -1 (its default) is off (flat ZeRO-3)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if value == -1:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive number of ranks per shard group, or -1 (off), got {value!r}")
-    knobs["mics_shard_size"] = value
 
 
 def _offload(name: str, value: Any, inert: list[str], offloaded: list[str], unsupported: list[str]) -> None:

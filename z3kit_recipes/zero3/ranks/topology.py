@@ -104,6 +104,12 @@ def check_mesh(mesh: object, world: int) -> DeviceMesh:
             f"(world // shard_size, shard_size), mesh_dim_names={MESH_DIM_NAMES})")
     if mesh.size() != world:
         raise ValueError(f"device_mesh spans {mesh.size()} ranks, the world {world}: the mesh must hold every rank")
+    # a shard's index is its rank in the shard group, which torch numbers in increasing global
+    # rank, and the checkpoint's DTensors place it by its mesh coordinate: the two must agree
+    # (the mesh is the same tensor on every rank, so every rank decides alike)
+    rows = mesh.mesh.tolist()
+    if any(row != sorted(row) for row in rows):
+        raise ValueError(f"device_mesh {rows}: each shard group (row) must list its ranks in increasing order")
     return mesh
 
 
