@@ -75,6 +75,7 @@ def run_pair(ctx: Any, case: Case, how: str, ds_json: dict[str, Any] | None = No
         "reductions": _ranks(engine.reducer.group),
         "across_replicas": _ranks(engine.reducer.flights.replicate),
         "collectives": engine.log.snapshot(),
+        "reduction": (engine.reducer.mode.value, engine.reducer.bucket_capacity),
     }
     return res
 
@@ -112,21 +113,24 @@ def test_fp32_parity_with_clipping_and_accumulation(pools: Any) -> None:
 
 
 def test_bf16_parity_from_a_device_mesh(pools: Any) -> None:
-    results = pools.run(4, run_pair, Case("gpt_hf", {**SHARDED, "compute_dtype": "bf16"}, optimizer="adamw",
-                                          steps=4), "mesh")
+    """Through reduce-scatter buckets (gloo's default is all-reduce: the fp32 case takes that path)."""
+    config = {**SHARDED, "compute_dtype": "bf16", "reduce_scatter": True}
+    results = pools.run(4, run_pair, Case("gpt_hf", config, optimizer="adamw", steps=4), "mesh")
     for r in results:
         got = torch.tensor(r.engine_losses, dtype=torch.float64)
         want = torch.tensor(r.ddp_losses, dtype=torch.float64)
         rel = ((got - want).abs() / want.abs()).max().item()
         assert 0 < rel <= 3e-2, f"bf16 losses differ from fp32 by {rel:.3g} (relative)"
         assert rel_norm_error(r.engine_params, r.ddp_params) <= 3e-2
+        assert r.extra["reduction"][0] == "reduce_scatter"
     assert_hsdp_layout(results)
 
 
 def test_huggingface_model_from_a_deepspeed_json(pools: Any) -> None:
     pytest.importorskip("transformers")
-    ds = {"zero_optimization": {"stage": 3, "mics_shard_size": 2, "stage3_param_persistence_threshold": 0},
-          "gradient_clipping": 0.0}
+    # each gradient reduced by its own collectives (contiguous_gradients off), in both stages
+    ds = {"zero_optimization": {"stage": 3, "mics_shard_size": 2, "stage3_param_persistence_threshold": 0,
+                                "contiguous_gradients": False}, "gradient_clipping": 0.0}
     results = pools.run(4, run_pair, Case("hf_llama", {}, lr=3e-3, steps=3), "json", ds)
     for r in results:
         gap = max(abs(a - b) for a, b in zip(r.engine_losses, r.ddp_losses))
@@ -135,6 +139,7 @@ def test_huggingface_model_from_a_deepspeed_json(pools: Any) -> None:
         # into lr-sized steps on elements whose gradient is almost 0: flat ZeRO-3 at world 4
         # differs from DDP by 3.5e-6 on this model too
         assert_params_match(r.engine_params, r.ddp_params, atol=1e-5)
+        assert r.extra["reduction"] == ("all_reduce", 0)  # no buckets: every gradient on its own
     assert_hsdp_layout(results)
 
 

@@ -94,12 +94,7 @@ class ReductionFlights:
         self._make_room(window)
         with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
             flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
-        if self.replicate is None:
-            self._flights.append(_Flight(flush, None, [], bucket.nbytes))
-            return
-        parts = flush.wait(self.waiter)  # the shard group's stage done (see the Note)
-        self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
-        self._flights.append(self._across_replicas(parts, f"{len(bucket)} grads"))
+        self._launch(_Flight(flush, None, [], bucket.nbytes), f"{len(bucket)} grads")
 
     def issue_alone(self, pid: int, grad: torch.Tensor, window: GradWindow) -> None:
         """Reduce one gradient, in place when it needs no padding, else through a
@@ -127,12 +122,23 @@ class ReductionFlights:
                 pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
                 pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
+        self._launch(_Flight(pending, ticket, [(pid, out)], held), f"gradient #{pid}")
+
+    def _launch(self, flight: _Flight, what: str) -> None:
+        """``flight`` in flight; under HSDP, its shard group's stage completed
+        first and the all-reduce across the replicas in flight instead (see the Note)."""
         if self.replicate is None:
-            self._flights.append(_Flight(pending, ticket, [(pid, out)], held))
+            self._flights.append(flight)
             return
-        self.streams.complete(ticket, lambda: self.waiter(pending.is_completed, pending.wait))  # see the Note
-        self.memory.free(MemoryKind.GRAD_BUCKETS, held)
-        self._flights.append(self._across_replicas([(pid, out)], f"gradient #{pid}"))
+        start = time.perf_counter()
+        try:
+            parts = self._complete(flight)
+        except BaseException:
+            self._abandoned.append(flight)  # the ranks stopped: the collective may still write into its buffers
+            raise
+        self.comm_wait_s += time.perf_counter() - start
+        self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
+        self._flights.append(self._across_replicas(parts, what))
 
     def _across_replicas(self, parts: list[tuple[int, torch.Tensor]], what: str) -> _Flight:
         """All-reduce the shard group's reduced ``parts`` across the replicas,
@@ -158,22 +164,23 @@ class ReductionFlights:
                 return
             self._flights.pop(0)
             start = time.perf_counter()
-            pending = flight.pending
-            # the one place a reduction turns into partitions: complete it on the
-            # stream pair (compute waits on its event), then accumulate
-            if isinstance(pending, BucketFlush):
-                parts = pending.wait(self.waiter)
-            else:
-                assert flight.ticket is not None
-                done = pending
-                self.streams.complete(flight.ticket, lambda: self.waiter(done.is_completed, done.wait))
-                parts = flight.parts
+            parts = self._complete(flight)
             self.comm_wait_s += time.perf_counter() - start
             for pid, part in parts:
                 window.accumulate(pid, part)
             self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
             if oldest_only:
                 return
+
+    def _complete(self, flight: _Flight) -> list[tuple[int, torch.Tensor]]:
+        """Complete ``flight`` on the stream pair (compute waits on its event): its partitions.
+        The one place a reduction turns into partitions."""
+        pending = flight.pending
+        if isinstance(pending, BucketFlush):
+            return pending.wait(self.waiter)
+        assert flight.ticket is not None
+        self.streams.complete(flight.ticket, lambda: self.waiter(pending.is_completed, pending.wait))
+        return flight.parts
 
     def abandon(self) -> None:
         """Forget the reductions in flight without waiting (the ranks no longer
