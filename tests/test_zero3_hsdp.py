@@ -234,6 +234,10 @@ def run_checkpoints(ctx: Any, root: str) -> dict[str, Any]:
     got += _micro_steps(ctx, hsdp, 5, 3)
     hsdp.save_checkpoint(f"{root}/hsdp")
     hsdp_params, hsdp_optim = hsdp.full_state_dict(), _optimizer_state(hsdp)
+    hsdp.save_pretrained(f"{root}/export")  # full values gathered in each shard group, written by rank 0
+    imported = _engine(ctx, 8, 2)
+    imported.load_pretrained(f"{root}/export")
+    exported_exact = _equal(imported.full_state_dict(), hsdp_params)
 
     resumed = _engine(ctx, 6, 2)
     resumed.load_checkpoint(f"{root}/hsdp_open")
@@ -247,6 +251,7 @@ def run_checkpoints(ctx: Any, root: str) -> dict[str, Any]:
     next_losses = (_micro_steps(ctx, hsdp, 8, 4), _micro_steps(ctx, back, 8, 4))
     meshes = [read_manifest(Path(root) / name, CHECKPOINT_KIND)["mesh"] for name in ("flat", "hsdp")]
     return {"loaded": loaded, "want": want, "got": got, "resumed_exact": resumed_exact, "back_loaded": back_loaded,
+            "exported_exact": exported_exact,
             "next": next_losses, "meshes": meshes, "progress": (hsdp.progress(), back.progress())}
 
 
@@ -263,6 +268,7 @@ def test_flat_checkpoint_loads_as_hsdp_and_back(pools: Any, tmp_path: Path) -> N
                                    torch.tensor(r["want"], dtype=torch.float64), rtol=0, atol=1e-6)
         assert r["resumed_exact"], "an HSDP run resumed from its checkpoint (inside a window) is exact"
         assert r["back_loaded"], "the HSDP checkpoint loads flat, bit for bit"
+        assert r["exported_exact"], "save_pretrained / load_pretrained under HSDP"
         torch.testing.assert_close(torch.tensor(r["next"][0], dtype=torch.float64),
                                    torch.tensor(r["next"][1], dtype=torch.float64), rtol=0, atol=1e-6)
         assert r["meshes"] == [[1, 4], [2, 2]]
