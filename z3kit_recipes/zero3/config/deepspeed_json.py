@@ -84,7 +84,7 @@ _ZERO_KEYS: Final = {
     "reduce_scatter": "reduce_scatter",
 }
 _INT_FIELDS: Final = frozenset({*(v for k, v in _ZERO_KEYS.items() if k.startswith(("stage3", "reduce_bucket"))),
-                                "gradient_accumulation_steps"})
+                                "gradient_accumulation_steps", "mics_shard_size"})
 _SECTIONS: Final = frozenset({"bf16", "fp16", "amp", "optimizer", "scheduler", "zero_optimization"})
 
 
@@ -160,8 +160,8 @@ def read_deepspeed(
         elif zkey in _INERT_ZERO:
             inert.append(name)
         elif zkey == "mics_shard_size":  # HSDP: ranks per shard group; DeepSpeed's default, -1, is off
-            if zvalue not in (-1, -1.0):
-                take("mics_shard_size", name, int(zvalue) if isinstance(zvalue, float) and zvalue.is_integer() else zvalue)
+            if zvalue != -1:
+                take("mics_shard_size", name, zvalue)
         elif zkey == "zero_hpz_partition_size" and zvalue != 1:  # DeepSpeed's default, 1, is hpZ off
             raise ValueError(f"{name} (hpZ, a secondary partition of the parameters) is not yet supported by z3kit; "
                              "remove it or set it to 1. HSDP/MiCS (mics_shard_size) is")

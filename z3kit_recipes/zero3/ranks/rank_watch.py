@@ -90,7 +90,7 @@ class RankWatch:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         #: every group the engine's collectives run on (HSDP's shard and replicate groups too): aborted together
-        self.groups = (group, *(g for g in subgroups if g is not group))
+        self.groups = (group, *subgroups)
         #: where this rank is; it holds ``broken``, the message every call raises once the ranks no longer run together
         self.step = step
         self.timeout_s = timeout_s

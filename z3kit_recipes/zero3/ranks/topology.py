@@ -57,6 +57,17 @@ class Topology:
         return dist.get_world_size(self.shard_group)
 
     @property
+    def shard_rank(self) -> int:
+        """This rank's shard index: its rank in the shard group."""
+        return dist.get_rank(self.shard_group)
+
+    @property
+    def subgroups(self) -> tuple[ProcessGroup, ...]:
+        """The groups other than the world group that collectives run on (the watcher aborts them too)."""
+        found = (self.shard_group, self.replicate_group)
+        return tuple(g for g in found if g is not None and g is not self.world_group)
+
+    @property
     def replicas(self) -> int:
         return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
 

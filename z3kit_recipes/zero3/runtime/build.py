@@ -138,7 +138,6 @@ def assemble(
 ) -> EngineParts:
     group = topology.world_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shards_over = topology.shard_group  # the shards are 1/S of a parameter, S the shard group's size
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
     log, memory, state = CollectiveLog(), MemoryLedger(), StepState()
@@ -147,7 +146,7 @@ def assemble(
         timeout_s=collective_timeout(config.collective_timeout_s, group),
         # where this rank is, moved by the parts made below; it holds whether the ranks are broken
         step=state,
-        subgroups=(topology.shard_group,) + (() if topology.replicate_group is None else (topology.replicate_group,)),
+        subgroups=topology.subgroups,
     )
     start_watcher(watch)
 
@@ -155,7 +154,8 @@ def assemble(
     # that fails (on any rank) leaves every model untouched
     offload = config.offload_optimizer
     layout = ShardLayout.allocate(
-        params, rank=dist.get_rank(shards_over), world=topology.shard_size, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None,
+        params, rank=topology.shard_rank, world=topology.shard_size, dtype=config.torch_dtype, device=device,
+        trainable=optimizer_factory is not None,
         host_masters=None if offload is None else offload.host_params([p.numel() for p in params]),
         pin=offload is not None and offload.pin_memory and device.type != "cpu",
     )
@@ -165,8 +165,7 @@ def assemble(
     lr_scheduler = None if optimizer is None or config.lr_scheduler is None else config.lr_scheduler.build(optimizer)
 
     # the values into the shards, one parameter (or chunk, or module) at a time:
-    # rank 0's where the model has them (broadcast to every rank: replicas start equal),
-    # made on every rank where it was built on meta
+    # rank 0's where the model has them (to every rank: replicas start equal), made on every rank where it was on meta
     real = [pid for pid, p in enumerate(params) if not p.is_meta]
     layout.fill_from_rank0(real, group, log)
     if len(real) < len(params) or has_meta_tensors(module):
@@ -190,8 +189,8 @@ def assemble(
     leaf_roots = set(leaf_modules)
     hooked = fetch_groups(module, params, leaf_roots)
     gatherer = Gatherer(
-        layout.shards, group=shards_over, streams=stream_pairs(device), trace=policies.trace, limiter=policies.limiter,
-        log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
+        layout.shards, group=topology.shard_group, streams=stream_pairs(device), trace=policies.trace,
+        limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
     )
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
@@ -227,7 +226,8 @@ def assemble(
         rank_check=lambda: backward.check_s + agreement.seconds,
     )
     return EngineParts(
-        module=module, config=config, group=group, topology=topology, device=device, rank=rank, world=world, param_names=names,
+        module=module, config=config, group=group, topology=topology, device=device, rank=rank, world=world,
+        param_names=names,
         log=log, memory=memory, memory_plan=memory_plan, step_state=state, watch=watch, layout=layout,
         optimizer=optimizer, lr_scheduler=lr_scheduler, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,

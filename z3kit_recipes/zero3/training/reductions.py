@@ -146,7 +146,8 @@ class ReductionFlights:
         assert self.replicate is not None
         flat = torch.cat([part.reshape(-1) for _, part in parts])  # contiguous: gloo misreads views
         self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(flat))
-        with self.streams.communicate(reads=[flat], writes=[flat], label=f"all_reduce across replicas of {what}") as ticket:
+        label = f"all_reduce across replicas of {what}"
+        with self.streams.communicate(reads=[flat], writes=[flat], label=label) as ticket:
             # already scaled to the mean over every rank: a plain sum here
             pending = all_reduce(flat, self.replicate, async_op=True, log=self.log)
         sizes = [part.numel() for _, part in parts]
