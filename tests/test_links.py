@@ -26,40 +26,40 @@ from z3kit.collectives import (
     broadcast,
     reduce_scatter,
 )
-from z3kit.links import LinkBytes, LinkClass, Placement, Topology, received_bytes
+from z3kit.links import LinkBytes, LinkClass, NodeMap, Placement, received_bytes
 
 # --------------------------------------------------------------------------- #
-# Topology and the formulas, without processes
+# NodeMap and the formulas, without processes
 # --------------------------------------------------------------------------- #
 
 
-def test_topology_constructors() -> None:
-    assert Topology.uniform(6, 2).node_of == (0, 0, 1, 1, 2, 2)
-    assert Topology.uniform(4, 4).nodes() == 1 and Topology.uniform(4, 1).nodes() == 4
-    assert Topology.single_node(3) == Topology((0, 0, 0))
-    assert Topology.from_env(4, {}) == Topology.single_node(4)
-    assert Topology.from_env(4, {"LOCAL_WORLD_SIZE": "2"}) == Topology((0, 0, 1, 1))
-    assert Topology((3, 0, 3)).nodes() == 2  # node indices need not be dense
+def test_node_map_constructors() -> None:
+    assert NodeMap.uniform(6, 2).node_of == (0, 0, 1, 1, 2, 2)
+    assert NodeMap.uniform(4, 4).nodes() == 1 and NodeMap.uniform(4, 1).nodes() == 4
+    assert NodeMap.single_node(3) == NodeMap((0, 0, 0))
+    assert NodeMap.from_env(4, {}) == NodeMap.single_node(4)
+    assert NodeMap.from_env(4, {"LOCAL_WORLD_SIZE": "2"}) == NodeMap((0, 0, 1, 1))
+    assert NodeMap((3, 0, 3)).nodes() == 2  # node indices need not be dense
 
 
 @pytest.mark.parametrize(
     "make, error, fragment",
     [
-        (lambda: Topology.uniform(4, 3), ValueError, "ranks_per_node (3) must divide world_size (4)"),
-        (lambda: Topology.uniform(4, 0), ValueError, "ranks_per_node must be >= 1"),
-        (lambda: Topology.uniform(0, 1), ValueError, "world_size must be >= 1"),
-        (lambda: Topology.single_node(True), TypeError, "world_size must be an int"),
-        (lambda: Topology(()), ValueError, "at least one rank"),
-        (lambda: Topology([0, 1]), TypeError, "must be a tuple"),
-        (lambda: Topology((0, -1)), ValueError, "Topology.node_of entries must be >= 0"),
-        (lambda: Topology((0, True)), TypeError, "Topology.node_of entries must be an int"),
-        (lambda: Topology.from_env(4, {"LOCAL_WORLD_SIZE": "two"}), ValueError, "LOCAL_WORLD_SIZE must be a whole"),
-        (lambda: Topology.from_env(4, {"LOCAL_WORLD_SIZE": "3"}), ValueError, "LOCAL_WORLD_SIZE='3' does not fit"),
+        (lambda: NodeMap.uniform(4, 3), ValueError, "ranks_per_node (3) must divide world_size (4)"),
+        (lambda: NodeMap.uniform(4, 0), ValueError, "ranks_per_node must be >= 1"),
+        (lambda: NodeMap.uniform(0, 1), ValueError, "world_size must be >= 1"),
+        (lambda: NodeMap.single_node(True), TypeError, "world_size must be an int"),
+        (lambda: NodeMap(()), ValueError, "at least one rank"),
+        (lambda: NodeMap([0, 1]), TypeError, "must be a tuple"),
+        (lambda: NodeMap((0, -1)), ValueError, "NodeMap.node_of entries must be >= 0"),
+        (lambda: NodeMap((0, True)), TypeError, "NodeMap.node_of entries must be an int"),
+        (lambda: NodeMap.from_env(4, {"LOCAL_WORLD_SIZE": "two"}), ValueError, "LOCAL_WORLD_SIZE must be a whole"),
+        (lambda: NodeMap.from_env(4, {"LOCAL_WORLD_SIZE": "3"}), ValueError, "LOCAL_WORLD_SIZE='3' does not fit"),
         (lambda: Placement((0, 0), 2), ValueError, "Placement.me must be < 2"),
         (lambda: Placement((0, 0), -1), ValueError, "Placement.me must be >= 0"),
     ],
 )
-def test_topology_and_placement_refuse_bad_values(make: Any, error: type[Exception], fragment: str) -> None:
+def test_node_map_and_placement_refuse_bad_values(make: Any, error: type[Exception], fragment: str) -> None:
     with pytest.raises(error, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         make()
 
@@ -91,11 +91,11 @@ def test_received_bytes_per_kind() -> None:
         received_bytes("gather", 8, p)
 
 
-def test_a_log_without_a_topology_or_group_counts_no_link_bytes() -> None:
+def test_a_log_without_a_node_map_or_group_counts_no_link_bytes() -> None:
     log = CollectiveLog()
     log.record(CollectiveKind.ALL_GATHER, 10)
     assert log.link_snapshot() == {"intra_node": 0, "inter_node": 0}
-    log = CollectiveLog(topology=Topology.uniform(4, 2))
+    log = CollectiveLog(node_map=NodeMap.uniform(4, 2))
     log.record(CollectiveKind.ALL_GATHER, 10)  # no group: no placement to count by
     log.link_bytes[LinkClass.INTER_NODE] = 5
     snap = log.link_snapshot()
@@ -121,7 +121,7 @@ def _links_worker(ctx: WorkerContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, group in (("world", ctx.group), ("same_node", same_node), ("across", across)):
         g = dist.get_world_size(group)
-        log = CollectiveLog(topology=Topology.uniform(4, 2))
+        log = CollectiveLog(node_map=NodeMap.uniform(4, 2))
         calls = {
             "all_gather": lambda: all_gather(torch.empty(g * AG), torch.ones(AG), group, log=log),
             "reduce_scatter": lambda: reduce_scatter(torch.empty(RS), torch.ones(g * RS), group, log=log),
@@ -138,12 +138,12 @@ def _links_worker(ctx: WorkerContext) -> dict[str, Any]:
 
     # a gather large enough to run as one broadcast from each rank on gloo counts as the gather would
     n = GLOO_BROADCAST_GATHER_MIN_NUMEL
-    log = CollectiveLog(topology=Topology.uniform(4, 2))
+    log = CollectiveLog(node_map=NodeMap.uniform(4, 2))
     all_gather(torch.empty(4 * n), torch.ones(n), ctx.group, log=log)
     out["large_gather"] = {"received": log.link_snapshot(), "broadcasts": log.calls[CollectiveKind.BROADCAST]}
 
-    too_small = CollectiveLog(topology=Topology.uniform(2, 1))  # covers ranks 0 and 1 only
-    try:  # every rank refuses before issuing it: the group holds ranks the topology lacks
+    too_small = CollectiveLog(node_map=NodeMap.uniform(2, 1))  # covers ranks 0 and 1 only
+    try:  # every rank refuses before issuing it: the group holds ranks the node map lacks
         all_reduce(torch.ones(1), ctx.group, log=too_small)
         out["too_small"] = "no error"
     except ValueError as e:
@@ -185,7 +185,7 @@ def test_bytes_received_per_link_at_world_4(pools: PoolSet) -> None:
         assert across["broadcast"] == (_bytes(0, BC * f) if node == 0 else _bytes(0, 0))
         large = GLOO_BROADCAST_GATHER_MIN_NUMEL * f
         assert out["large_gather"] == {"received": _bytes(1 * large, 2 * large), "broadcasts": 4}
-        assert out["too_small"].startswith("the topology covers 2 ranks; the group holds rank(s) [2, 3]")
+        assert out["too_small"].startswith("the node map covers 2 ranks; the group holds rank(s) [2, 3]")
         assert out["too_small_calls"] == 0
     # summed over ranks, what crosses nodes: each of 4 ranks gets 2 remote chunks of a gather or a
     # reduce-scatter, and 2 * 2 / 4 of an all-reduce; a broadcast from node 1 crosses once per rank of node 0

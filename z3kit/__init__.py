@@ -9,7 +9,7 @@ from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
 from z3kit.hooks import HookActions, ModuleHooks, in_backward
 from z3kit.leaf import LeafModuleHook
-from z3kit.links import LinkClass, Topology
+from z3kit.links import LinkClass, NodeMap
 from z3kit.nested import iter_tensors, map_tensors
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ImmediateReleasePolicy, ReleasePolicy, StockReleasePolicy
@@ -45,7 +45,7 @@ __all__ = [
     "StreamPair",
     "StreamPairLike",
     "SyncStreamPair",
-    "Topology",
+    "NodeMap",
     "TraceFetch",
     "TraceRecorder",
     "TraceState",

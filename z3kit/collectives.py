@@ -5,7 +5,7 @@ to the default group. Reductions are SUM followed by an explicit scale,
 because gloo refuses PREMUL_SUM and has had AVG bugs, and HCCL has no AVG.
 Only contiguous tensors are accepted: gloo silently gives wrong results for
 non-contiguous views. Each call is counted, with its bytes, in an optional
-``CollectiveLog``; given a ``Topology``, the log also adds up what this rank
+``CollectiveLog``; given a ``NodeMap``, the log also adds up what this rank
 received over intra-node and inter-node links (``z3kit.links``).
 """
 
@@ -21,7 +21,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit.links import LinkClass, Placement, Topology, received_bytes
+from z3kit.links import LinkClass, Placement, NodeMap, received_bytes
 from z3kit.process_group import waits_on_host
 
 ProcessGroup = dist.ProcessGroup
@@ -49,7 +49,7 @@ class CollectiveKind(enum.Enum):
 @attrs.define
 class CollectiveLog:
     """Calls and bytes per collective kind (bytes: the input each rank sends), and,
-    with a ``topology``, the bytes this rank received per link class (``z3kit.links``;
+    with a ``node_map``, the bytes this rank received per link class (``z3kit.links``;
     a call recorded without its group counts no link bytes)."""
 
     calls: dict[CollectiveKind, int] = attrs.field(factory=lambda: {k: 0 for k in CollectiveKind})
@@ -57,7 +57,7 @@ class CollectiveLog:
     #: every call in issue order, (kind, bytes), once set to a list: a communicator pairs
     #: collectives by issue order, so ranks whose lists differ would mispair (tests compare them)
     order: list[tuple[CollectiveKind, int]] | None = None
-    topology: Topology | None = None
+    node_map: NodeMap | None = None
     link_bytes: dict[LinkClass, int] = attrs.field(factory=lambda: {c: 0 for c in LinkClass})
     # each group's placement, found once: torch's rank lookup is Python code, and this runs per collective
     _placements: dict[ProcessGroup, Placement] = attrs.field(factory=dict, init=False, repr=False, eq=False)
@@ -65,11 +65,11 @@ class CollectiveLog:
     def record(self, kind: CollectiveKind, nbytes: int, group: ProcessGroup | None = None, src: int | None = None) -> None:
         """Count one call of ``nbytes`` (what this rank sends) over ``group``; ``src``:
         a broadcast's source, as a group rank."""
-        # links first: a group the topology lacks raises before anything is counted
-        if self.topology is not None and group is not None:
+        # links first: a group the node map lacks raises before anything is counted
+        if self.node_map is not None and group is not None:
             placement = self._placements.get(group)
             if placement is None:
-                placement = self._placements[group] = Placement.of(group, self.topology)
+                placement = self._placements[group] = Placement.of(group, self.node_map)
             received = received_bytes(kind.value, nbytes, placement, src)
             self.link_bytes[LinkClass.INTRA_NODE] += received.intra_node
             self.link_bytes[LinkClass.INTER_NODE] += received.inter_node

@@ -1,11 +1,11 @@
 """Which ranks share a node, and what a collective moves across nodes.
 
-A ``Topology`` maps each global rank to its node. ``received_bytes`` says
+A ``NodeMap`` maps each global rank to its node. ``received_bytes`` says
 how many bytes one collective call brings to this rank over intra-node and
 over inter-node links; ``Placement`` is what it needs to know of the
 process group (the node of each member, and which member this rank is).
 ``CollectiveLog`` adds these figures up per ``LinkClass`` when it is given
-a topology.
+a node map.
 
 Note: the direct-exchange model.
     Each rank is taken to get each peer's contribution from that peer
@@ -63,13 +63,13 @@ def _node_indices(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 
 @attrs.frozen
-class Topology:
+class NodeMap:
     """The node of every global rank: ``node_of[rank]`` is a node index."""
 
     node_of: tuple[int, ...] = attrs.field(validator=_node_indices)
 
     @classmethod
-    def uniform(cls, world_size: int, ranks_per_node: int) -> Topology:
+    def uniform(cls, world_size: int, ranks_per_node: int) -> NodeMap:
         """Ranks ``0 .. ranks_per_node - 1`` on node 0, the next as many on node 1, and so on
         (how torchrun numbers the ranks of nodes launched with the same ``--nproc-per-node``)."""
         check_int("world_size", world_size, at_least=1)
@@ -82,13 +82,13 @@ class Topology:
         return cls(tuple(rank // ranks_per_node for rank in range(world_size)))
 
     @classmethod
-    def single_node(cls, world_size: int) -> Topology:
+    def single_node(cls, world_size: int) -> NodeMap:
         """Every rank on one node: no byte crosses a node boundary."""
         check_int("world_size", world_size, at_least=1)
         return cls((0,) * world_size)
 
     @classmethod
-    def from_env(cls, world_size: int, env: Mapping[str, str] | None = None) -> Topology:
+    def from_env(cls, world_size: int, env: Mapping[str, str] | None = None) -> NodeMap:
         """What torchrun says: ``LOCAL_WORLD_SIZE`` ranks per node; without it, one node.
         ``env``: where to read it (``os.environ`` when not given)."""
         value = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE")
@@ -131,16 +131,16 @@ class Placement:
         return len(self.member_nodes) - 1 - self.local_peers
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, topology: Topology) -> Placement:
-        """This rank's placement in ``group`` (global ranks from torch, nodes from ``topology``)."""
+    def of(cls, group: dist.ProcessGroup, node_map: NodeMap) -> Placement:
+        """This rank's placement in ``group`` (global ranks from torch, nodes from ``node_map``)."""
         ranks = dist.get_process_group_ranks(group)  # global ranks, in group-rank order
         rank = dist.get_rank()
-        beyond = [r for r in ranks if r >= len(topology.node_of)]
+        beyond = [r for r in ranks if r >= len(node_map.node_of)]
         if beyond:
-            raise ValueError(f"the topology covers {len(topology.node_of)} ranks; the group holds rank(s) {beyond}")
+            raise ValueError(f"the node map covers {len(node_map.node_of)} ranks; the group holds rank(s) {beyond}")
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not a member of the group (ranks {ranks})")
-        return cls(tuple(topology.node_of[r] for r in ranks), ranks.index(rank))
+        return cls(tuple(node_map.node_of[r] for r in ranks), ranks.index(rank))
 
     def group_size(self) -> int:
         return len(self.member_nodes)

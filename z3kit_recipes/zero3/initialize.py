@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from z3kit.collectives import ProcessGroup
 from z3kit.device import BACKEND_FOR_DEVICE_TYPE, device_type_for_backend
@@ -30,6 +31,7 @@ from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
+from z3kit_recipes.zero3.ranks.topology import check_mesh, shard_size_for, topology_for
 from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
@@ -62,6 +64,7 @@ def initialize(
     process_group: ProcessGroup | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     *,
+    device_mesh: DeviceMesh | None = None,
     auto: TrainingValues | None = None,
     trace: TraceRecorder | None = None,
     release_policy: ReleasePolicy | None = None,
@@ -72,6 +75,11 @@ def initialize(
 ) -> Zero3Engine:
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
+
+    HSDP (DeepSpeed's MiCS, ``zero3.ranks.topology``): ``device_mesh``, a 2-D
+    ``DeviceMesh`` over every rank named ("replicate", "shard"), or the
+    config's ``mics_shard_size``, shards the parameters within each shard
+    group and replicates them across the groups (not with ``process_group``).
 
     ``optimizer`` is a factory that receives this rank's fp32 master shards
     (a ``MasterShards``: a list that also names them, ``.named()``), or None:
@@ -109,13 +117,20 @@ def initialize(
             "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
             "it receives this rank's master shards (or None for an engine that only runs forwards)"
         )
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("pass process_group or device_mesh, not both: the mesh's groups are the engine's")
     if process_group is None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first, or pass process_group")
         process_group = dist.group.WORLD
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
-    config, notes = _read_config(model, config, auto, dist.get_world_size(process_group))
+    world = dist.get_world_size(process_group)
+    if device_mesh is not None:
+        device_mesh = check_mesh(device_mesh, world)
+    config, notes = _read_config(model, config, auto, world)
+    # the size the parameters are sharded to: the world, or an HSDP shard group's
+    shard_size = shard_size_for(config.mics_shard_size, device_mesh, process_group)
     optimizer = _optimizer_factory(optimizer, config)
     if next(model.parameters(), None) is None:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
@@ -133,7 +148,7 @@ def initialize(
         trace = TraceRecorder()
     elif not isinstance(trace, TraceRecorder):
         raise TypeError(f"trace must be a TraceRecorder (or a subclass), got {type(trace).__name__}")
-    plan = _plan_budget(model, config, leaves, dist.get_world_size(process_group))
+    plan = _plan_budget(model, config, leaves, shard_size)
     knobs = plan.knobs() if plan is not None else {name: getattr(config, name) for name in BUDGET_DERIVED}
     if release_policy is None:
         release_policy = StockReleasePolicy(
@@ -144,11 +159,10 @@ def initialize(
     elif not isinstance(release_policy, ReleasePolicy):
         raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
     if prefetch_limiter is None:
-        world = dist.get_world_size(process_group)
-        padded_total = sum(shard_numel_for(p.numel(), world) * world for p in model.parameters())
+        padded_total = sum(shard_numel_for(p.numel(), shard_size) * shard_size for p in model.parameters())
         prefetch_limiter = PrefetchLimiter(
             max_live_parameters=knobs["max_live_parameters"],
-            prefetch_bucket_size=min(knobs["prefetch_bucket_size"], transient_cap(padded_total, world)),
+            prefetch_bucket_size=min(knobs["prefetch_bucket_size"], transient_cap(padded_total, shard_size)),
             max_inflight=config.max_inflight_gathers,
         )
     elif not isinstance(prefetch_limiter, PrefetchLimiter):
@@ -161,7 +175,7 @@ def initialize(
     policies = Policies(trace, release_policy, prefetch_limiter)
     # the last check, and the first collective: every rank got the same model and settings
     summary = summarize(
-        model, config, world=dist.get_world_size(process_group), training=optimizer is not None, leaves=leaves,
+        model, config, world=world, shard_size=shard_size, training=optimizer is not None, leaves=leaves,
         policies=policies, derived_knobs=None if plan is None else knobs,
         # the seed and the init function matter only where tensors are made on every rank
         init_seed=init_seed if meta else None, param_init_fn=param_init_fn if meta else None,
@@ -169,7 +183,9 @@ def initialize(
     rank0_seed = agree_at_init(summary, process_group, device)
     tell(notes, dist.get_rank(process_group))
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
-    parts = assemble(model, optimizer, config, process_group, device, leaves, policies, plan, meta_init, stream_pairs)
+    # after the agreement: every rank builds the same mesh
+    topology = topology_for(process_group, device_mesh, shard_size, device.type)
+    parts = assemble(model, optimizer, config, topology, device, leaves, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
 
 

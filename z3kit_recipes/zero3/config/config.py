@@ -115,6 +115,18 @@ class Zero3Config:
     #: DeepSpeed's ``offload_optimizer``. None: on the device
     offload_optimizer: OffloadConfig | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(OffloadConfig)))
+    #: HSDP (DeepSpeed's MiCS): parameters sharded within groups of this many ranks and replicated
+    #: across the groups (``zero3.ranks.topology``); it must divide the world size. "node": one
+    #: node per shard group (torchrun's ``LOCAL_WORLD_SIZE``). None: flat, every rank one shard
+    mics_shard_size: int | str | None = attrs.field(default=None)
+
+    @mics_shard_size.validator
+    def _check_mics_shard_size(self, attribute: attrs.Attribute[int | str | None], value: int | str | None) -> None:
+        if value is None or value == "node":
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"Zero3Config.mics_shard_size must be a positive int (ranks per shard group), \"node\" "
+                             f"or None (flat), got {value!r}")
 
     @memory_budget.validator
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:

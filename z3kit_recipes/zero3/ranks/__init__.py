@@ -6,5 +6,8 @@
   that watch it (``RankFailed``); ``watcher``: its thread on backends whose
   waits do not block the host;
 - ``fetch_agreement``: forward fetches that no trace vouches for, agreed;
-- ``uneven``: eval forwards meet on the notice board.
+- ``uneven``: eval forwards meet on the notice board;
+- ``topology``: which ranks share the shards, which hold replicas of them
+  (HSDP / MiCS over a (replicate, shard) ``DeviceMesh``), and which group
+  carries what.
 """

@@ -85,9 +85,12 @@ class RankWatch:
         timeout_s: float,
         step: StepState,
         poll_s: float = 0.05,
+        subgroups: tuple[ProcessGroup, ...] = (),
     ) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
+        #: every group the engine's collectives run on (HSDP's shard and replicate groups too): aborted together
+        self.groups = (group, *subgroups)
         #: where this rank is; it holds ``broken``, the message every call raises once the ranks no longer run together
         self.step = step
         self.timeout_s = timeout_s

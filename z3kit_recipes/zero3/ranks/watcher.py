@@ -61,7 +61,8 @@ class EngineWatcher:
         if watch is None:
             return True
         watch.give_up(f"rank {watch.rank}: {what} has not finished after {seconds:.0f} s (collective_timeout_s)")
-        process_group.abort(watch.group)
+        for group in watch.groups:
+            process_group.abort(group)
         return True
 
     @staticmethod
@@ -69,7 +70,8 @@ class EngineWatcher:
         watch.broken = f"{reason}; every rank stops this step"
         if watch.board is not None:
             watch.board.post(f"{WAITING}stopped on rank {watch.rank} ({watch.describe()})")
-        process_group.abort(watch.group)
+        for group in watch.groups:
+            process_group.abort(group)
 
 
 def start_watcher(watch: RankWatch) -> None:

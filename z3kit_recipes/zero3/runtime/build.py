@@ -24,7 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import ModuleHooks
-from z3kit.links import Topology
+from z3kit.links import NodeMap
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
@@ -38,6 +38,7 @@ from z3kit_recipes.zero3.config.timeouts import collective_timeout
 from z3kit_recipes.zero3.ranks.agreement import StepRecord
 from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
+from z3kit_recipes.zero3.ranks.topology import Topology
 from z3kit_recipes.zero3.ranks.uneven import EvalMeeting
 from z3kit_recipes.zero3.ranks.watcher import start_watcher
 from z3kit_recipes.zero3.runtime.step_stats import StepStats
@@ -84,8 +85,12 @@ class EngineParts:
 
     module: nn.Module
     config: Zero3Config
+    #: every rank (``topology.world_group``): agreement, watch, broadcasts of rank 0's values, saves
     group: ProcessGroup
+    #: which ranks share the shards and which hold replicas of them (``zero3.ranks.topology``)
+    topology: Topology
     device: torch.device
+    #: this rank in ``group``, and its size (the data-parallel world)
     rank: int
     world: int
     param_names: list[str]
@@ -125,7 +130,7 @@ def assemble(
     module: nn.Module,
     optimizer_factory: OptimizerFactory | None,
     config: Zero3Config,
-    group: ProcessGroup,
+    topology: Topology,
     device: torch.device,
     leaf_modules: list[nn.Module],
     policies: Policies,
@@ -133,15 +138,17 @@ def assemble(
     meta_init: MetaInit,
     stream_pairs: StreamPairFactory,
 ) -> EngineParts:
+    group = topology.world_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     named = list(module.named_parameters())  # each parameter once, tied ones included
     params = [p for _, p in named]
-    log, memory, state = CollectiveLog(topology=_topology()), MemoryLedger(), StepState()
+    log, memory, state = CollectiveLog(node_map=_node_map()), MemoryLedger(), StepState()
     watch = RankWatch(
         group,
         timeout_s=collective_timeout(config.collective_timeout_s, group),
         # where this rank is, moved by the parts made below; it holds whether the ranks are broken
         step=state,
+        subgroups=topology.subgroups,
     )
     start_watcher(watch)
 
@@ -149,7 +156,8 @@ def assemble(
     # that fails (on any rank) leaves every model untouched
     offload = config.offload_optimizer
     layout = ShardLayout.allocate(
-        params, rank=rank, world=world, dtype=config.torch_dtype, device=device, trainable=optimizer_factory is not None,
+        params, rank=topology.shard_rank, world=topology.shard_size, dtype=config.torch_dtype, device=device,
+        trainable=optimizer_factory is not None,
         host_masters=None if offload is None else offload.host_params([p.numel() for p in params]),
         pin=offload is not None and offload.pin_memory and device.type != "cpu",
     )
@@ -159,7 +167,7 @@ def assemble(
     lr_scheduler = None if optimizer is None or config.lr_scheduler is None else config.lr_scheduler.build(optimizer)
 
     # the values into the shards, one parameter (or chunk, or module) at a time:
-    # rank 0's where the model has them, made on every rank where it was built on meta
+    # rank 0's where the model has them (to every rank: replicas start equal), made on every rank where it was on meta
     real = [pid for pid, p in enumerate(params) if not p.is_meta]
     layout.fill_from_rank0(real, group, log)
     if len(real) < len(params) or has_meta_tensors(module):
@@ -183,8 +191,8 @@ def assemble(
     leaf_roots = set(leaf_modules)
     hooked = fetch_groups(module, params, leaf_roots)
     gatherer = Gatherer(
-        layout.shards, group=group, streams=stream_pairs(device), trace=policies.trace, limiter=policies.limiter,
-        log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
+        layout.shards, group=topology.shard_group, streams=stream_pairs(device), trace=policies.trace,
+        limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
     )
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
@@ -199,7 +207,7 @@ def assemble(
 
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
     reduce_streams = stream_pairs(device)
-    reducer = _build_reducer(layout, config, group, device, memory_plan, watch, reduce_streams, log, memory)
+    reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory)
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
@@ -227,7 +235,8 @@ def assemble(
         rank_check=lambda: backward.check_s + agreement.seconds,
     )
     return EngineParts(
-        module=module, config=config, group=group, device=device, rank=rank, world=world, param_names=names,
+        module=module, config=config, group=group, topology=topology, device=device, rank=rank, world=world,
+        param_names=names,
         log=log, memory=memory, memory_plan=memory_plan, step_state=state, watch=watch, layout=layout,
         optimizer=optimizer, lr_scheduler=lr_scheduler, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
@@ -242,13 +251,13 @@ def assemble(
     )
 
 
-def _topology() -> Topology | None:
+def _node_map() -> NodeMap | None:
     """Which ranks share a node, over global ranks (the default group's), whatever group
     the engine runs on; None (no traffic by link) where torchrun's ``LOCAL_WORLD_SIZE``
     differs between nodes: the figures are only a report, and a launch that ran before
     must not fail, on some ranks only, for them."""
     try:
-        return Topology.from_env(dist.get_world_size())
+        return NodeMap.from_env(dist.get_world_size())
     except ValueError as exc:
         warnings.warn(f"z3kit reports no traffic by link class: {exc}", stacklevel=3)
         return None
@@ -285,20 +294,22 @@ def _check_optimizer(optimizer: Any, masters: list[nn.Parameter]) -> None:
 
 
 def _build_reducer(
-    layout: ShardLayout, config: Zero3Config, group: ProcessGroup, device: torch.device, plan: MemoryPlan | None,
+    layout: ShardLayout, config: Zero3Config, topology: Topology, device: torch.device, plan: MemoryPlan | None,
     watch: RankWatch, streams: StreamPairLike, log: CollectiveLog, memory: MemoryLedger,
 ) -> GradReducer | None:
     if not layout.trainable:
         return None
     reduce_scatter = config.reduce_scatter
     if reduce_scatter is None:
-        reduce_scatter = dist.get_backend(group) != "gloo"
-    world = dist.get_world_size(group)
+        reduce_scatter = dist.get_backend(topology.shard_group) != "gloo"
+    # the mean over every rank's micro-batches, as DDP's, replicas included
+    world = dist.get_world_size(topology.world_group)
     return GradReducer(
         layout.shards,
         layout.trainable,
         # one communicator for gathers and reductions (see the Note in zero3.training.step_checks)
-        group=group,
+        group=topology.shard_group,
+        replicate=topology.replicate_group,
         waiter=watch.wait,
         streams=streams,
         log=log,

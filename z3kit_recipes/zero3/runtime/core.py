@@ -27,6 +27,8 @@ class EngineCore:
         self.parts = parts
         self.module, self.zero3_config, self.group, self.device = parts.module, parts.config, parts.group, parts.device
         self.rank, self.world, self.log, self.memory = parts.rank, parts.world, parts.log, parts.memory
+        #: the shard group and the replicas (``zero3.ranks.topology``); ``group`` is every rank
+        self.topology = parts.topology
         self.layout, self.shards, self.masters = parts.layout, parts.layout.shards, parts.layout.masters
         self.trainable, self.param_names = parts.layout.trainable, parts.param_names
         #: None for an inference-only engine (``initialize(model, optimizer=None)``)

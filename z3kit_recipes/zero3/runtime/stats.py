@@ -171,5 +171,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         loss_scale=None if scaler is None else scaler.scale,
         skipped_steps=0 if scaler is None else scaler.skipped,
         link_bytes=last.link_bytes,
-        nodes=1 if parts.log.topology is None else parts.log.topology.nodes(),
+        nodes=1 if parts.log.node_map is None else parts.log.node_map.nodes(),
     )

@@ -81,6 +81,7 @@ class GradReducer:
         trainable: Sequence[int],
         *,
         group: ProcessGroup,
+        replicate: ProcessGroup | None = None,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -114,8 +115,8 @@ class GradReducer:
         self._next = 0  # plan index of the next reduction to issue
         #: the reductions issued and not landed yet (``zero3.training.reductions``)
         self.flights = ReductionFlights(
-            shards, rank=self.rank, group=group, waiter=waiter, streams=streams, log=log, memory=memory, mode=mode,
-            scale=scale,
+            shards, rank=self.rank, group=group, replicate=replicate, waiter=waiter, streams=streams, log=log,
+            memory=memory, mode=mode, scale=scale,
         )
         self.window = GradWindow({}, [], device=self.device, memory=memory)  # made for ``trainable`` by replan
         self.replan(trainable)
@@ -306,6 +307,7 @@ class GradReducer:
         ``max_norm``; returns the norm before clipping and the factor applied.
         All on the device (``z3kit.grad_partition.clip_coefficient``)."""
         squared = self.window.squared_norm().reshape(1).to(torch.float32)
+        # over the shard group only: HSDP's replicas hold the same partitions (``zero3.ranks.topology``)
         pending = all_reduce(squared, self.group, async_op=True, log=self.log)
         self.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0]

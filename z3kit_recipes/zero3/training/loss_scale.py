@@ -75,6 +75,8 @@ class LossScaler:
         gradients were multiplied by in place (unscaled, and clipped by that
         norm where ``clip > 0``)."""
         squared = reducer.window.squared_norm().reshape(1).to(torch.float32)
+        # the shard group's partitions are the whole gradient: HSDP's replicas hold the same ones, an
+        # inf or nan of any rank included (it was all-reduced into every replica's partition)
         pending = all_reduce(squared, reducer.group, async_op=True, log=reducer.log)
         reducer.waiter(pending.is_completed, pending.wait)
         norm = squared.sqrt()[0] / self.scale

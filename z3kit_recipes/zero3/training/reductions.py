@@ -8,6 +8,18 @@ pair, keeps at most ``MAX_FLIGHTS`` of them in flight, completes each one
 the accumulation window (``zero3.training.grad_window``), in the order they
 were issued, and keeps the seconds blocked on them. What to reduce and when
 is the ``GradReducer``'s (``zero3.training.grads``).
+
+Note: HSDP's second stage.
+    Under HSDP (``zero3.ranks.topology``) a reduction is the reduce-scatter
+    (or all-reduce) within the shard group, then an all-reduce of this
+    rank's reduced partitions across the replicate group, both scaled once,
+    to the mean over every rank. The second is issued right after the first
+    completes, at issue time, never at landing: landing depends on timing,
+    and two ranks that issued one group's collective before another
+    group's in different orders could wait on each other for ever (on NCCL,
+    where one stream serializes both). Completing the first is a stream
+    wait on accelerators, and blocks the host on gloo, so there only the
+    second stage overlaps with compute. The flight then lands the second.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ class ReductionFlights:
         *,
         rank: int,
         group: ProcessGroup,
+        replicate: ProcessGroup | None = None,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -63,6 +76,8 @@ class ReductionFlights:
         self.shards, self.rank = shards, rank
         self.group, self.waiter, self.streams, self.log, self.memory = group, waiter, streams, log, memory
         self.mode, self.scale = mode, scale
+        #: HSDP: the ranks holding the same partitions, across which they are all-reduced (see the Note)
+        self.replicate = replicate
         self._flights: list[_Flight] = []
         #: reductions left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[_Flight] = []
@@ -79,7 +94,7 @@ class ReductionFlights:
         self._make_room(window)
         with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
             flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
-        self._flights.append(_Flight(flush, None, [], bucket.nbytes))
+        self._launch(_Flight(flush, None, [], bucket.nbytes), f"{len(bucket)} grads")
 
     def issue_alone(self, pid: int, grad: torch.Tensor, window: GradWindow) -> None:
         """Reduce one gradient, in place when it needs no padding, else through a
@@ -107,7 +122,36 @@ class ReductionFlights:
                 pending = reduce_scatter(out, padded, self.group, scale=self.scale, async_op=True, log=self.log)
             else:
                 pending = all_reduce(padded, self.group, scale=self.scale, async_op=True, log=self.log)
-        self._flights.append(_Flight(pending, ticket, [(pid, out)], held))
+        self._launch(_Flight(pending, ticket, [(pid, out)], held), f"gradient #{pid}")
+
+    def _launch(self, flight: _Flight, what: str) -> None:
+        """``flight`` in flight; under HSDP, its shard group's stage completed
+        first and the all-reduce across the replicas in flight instead (see the Note)."""
+        if self.replicate is None:
+            self._flights.append(flight)
+            return
+        start = time.perf_counter()
+        try:
+            parts = self._complete(flight)
+        except BaseException:
+            self._abandoned.append(flight)  # the ranks stopped: the collective may still write into its buffers
+            raise
+        self.comm_wait_s += time.perf_counter() - start
+        self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
+        self._flights.append(self._across_replicas(parts, what))
+
+    def _across_replicas(self, parts: list[tuple[int, torch.Tensor]], what: str) -> _Flight:
+        """All-reduce the shard group's reduced ``parts`` across the replicas,
+        through one contiguous buffer (HSDP's second stage, see the Note)."""
+        assert self.replicate is not None
+        flat = torch.cat([part.reshape(-1) for _, part in parts])  # contiguous: gloo misreads views
+        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(flat))
+        label = f"all_reduce across replicas of {what}"
+        with self.streams.communicate(reads=[flat], writes=[flat], label=label) as ticket:
+            # already scaled to the mean over every rank: a plain sum here
+            pending = all_reduce(flat, self.replicate, async_op=True, log=self.log)
+        sizes = [part.numel() for _, part in parts]
+        return _Flight(pending, ticket, list(zip([pid for pid, _ in parts], flat.split(sizes))), tensor_bytes(flat))
 
     def _make_room(self, window: GradWindow) -> None:
         if len(self._flights) >= MAX_FLIGHTS:
@@ -121,22 +165,23 @@ class ReductionFlights:
                 return
             self._flights.pop(0)
             start = time.perf_counter()
-            pending = flight.pending
-            # the one place a reduction turns into partitions: complete it on the
-            # stream pair (compute waits on its event), then accumulate
-            if isinstance(pending, BucketFlush):
-                parts = pending.wait(self.waiter)
-            else:
-                assert flight.ticket is not None
-                done = pending
-                self.streams.complete(flight.ticket, lambda: self.waiter(done.is_completed, done.wait))
-                parts = flight.parts
+            parts = self._complete(flight)
             self.comm_wait_s += time.perf_counter() - start
             for pid, part in parts:
                 window.accumulate(pid, part)
             self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
             if oldest_only:
                 return
+
+    def _complete(self, flight: _Flight) -> list[tuple[int, torch.Tensor]]:
+        """Complete ``flight`` on the stream pair (compute waits on its event): its partitions.
+        The one place a reduction turns into partitions."""
+        pending = flight.pending
+        if isinstance(pending, BucketFlush):
+            return pending.wait(self.waiter)
+        assert flight.ticket is not None
+        self.streams.complete(flight.ticket, lambda: self.waiter(pending.is_completed, pending.wait))
+        return flight.parts
 
     def abandon(self) -> None:
         """Forget the reductions in flight without waiting (the ranks no longer

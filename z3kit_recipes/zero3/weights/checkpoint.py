@@ -15,10 +15,19 @@ Note: a shard is a dim-0 shard of the flattened parameter.
     slices each rank's new shards need. The padding past ``numel`` is never
     saved and always zero after a load.
 
+Note: HSDP.
+    Under HSDP (``zero3.ranks.topology``) the shards are over the shard
+    group, and every replica holds the same ones: they are DTensors over the
+    (replicate, shard) mesh with placements ``[Replicate(), Shard(0)]``, so
+    DCP writes each slice once and reads, at load, whatever slices the new
+    layout needs. A checkpoint saved flat loads under HSDP and back, at any
+    world size; the manifest records the layout (``mesh``: replicas, shard
+    group size) for the reader.
+
 What else is saved: scalar optimizer state (Adam's ``step``), fp16's loss scale, and the
 persistent buffers (rank 0's, replicated); the optimizer's hyperparameters
 (``param_groups``, without the parameters); the user's ``client_state``;
-each rank's random state (restored at the same world size only); and, in
+each rank's random state (restored at the same world size only, whatever the layout); and, in
 the manifest (``commit``), the step counters, the config, and the name,
 shape and dtype of every parameter, checked before anything is loaded.
 """
@@ -36,7 +45,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, commit, read_manifest, staged, verify
@@ -46,11 +56,14 @@ from z3kit_recipes.zero3.weights.together import Together
 FORMAT_VERSION = 1
 
 
-def _sharded(local_padded: torch.Tensor, numel: int, start: int, stop: int, mesh: DeviceMesh) -> DTensor:
+_Mesh = tuple[DeviceMesh, list[Placement]]
+
+
+def _sharded(local_padded: torch.Tensor, numel: int, start: int, stop: int, mesh: _Mesh) -> DTensor:
     """This rank's slice of a flattened tensor of ``numel`` elements (the
     first ``stop - start`` elements of its padded local buffer) as a DTensor."""
     local = local_padded.detach()[: stop - start]
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    return DTensor.from_local(local, mesh[0], mesh[1], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
 @attrs.frozen
@@ -73,8 +86,12 @@ def _entries(engine: EngineCore) -> list[_Entry]:
     return out
 
 
-def _mesh(engine: EngineCore) -> DeviceMesh:
-    return DeviceMesh.from_group(engine.group, engine.device.type)
+def _mesh(engine: EngineCore) -> _Mesh:
+    """The mesh the shards are DTensors over, and their placements (see the Note on HSDP)."""
+    topology = engine.topology
+    if topology.mesh is None:
+        return DeviceMesh.from_group(topology.shard_group, engine.device.type), [Shard(0)]
+    return topology.mesh, [Replicate(), Shard(0)]
 
 
 def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_state: dict[str, Any] | None) -> None:
@@ -115,6 +132,7 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
     metadata = {
         "version": FORMAT_VERSION,
         "world": engine.world,
+        "mesh": engine.topology.shape,  # [replicas, shard group size]; [1, world] when flat
         "global_step": global_step,
         "micro_step": micro_step,
         "open_window": open_window,

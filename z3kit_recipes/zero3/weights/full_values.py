@@ -34,7 +34,7 @@ def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str
     keep = not rank0_only or engine.rank == 0
     out: dict[str, torch.Tensor] = {}
     for pid, name in enumerate(engine.param_names):
-        full = engine.layout.gather_full(pid, engine.group, engine.log)
+        full = engine.layout.gather_full(pid, engine.topology.shard_group, engine.log)
         if keep:
             out[name] = full.view(engine.shards[pid].shape).to("cpu", copy=True)
     if keep:
@@ -50,11 +50,11 @@ def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
     for pid in pids:
         shard = engine.shards[pid]
         full = shard.param.detach().reshape(-1)
-        broadcast(full, src, engine.group, log=engine.log)
+        broadcast(full, src, engine.group, log=engine.log)  # every rank's, replicas included
         shard.load_full(full)
         master = master_of.get(pid)
         if master is not None:
-            fill_partition(master.data, full, engine.rank, engine.world)
+            fill_partition(master.data, full, shard.rank, shard.world)
     engine.coordinator.discard(p for p in pids if engine.coordinator.persistent[p])
 
 

@@ -158,7 +158,7 @@ def save_pretrained(
     check_int("max_shard_bytes", max_shard_bytes, at_least=1)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_pretrained: dtype must be a floating-point torch.dtype (torch.bfloat16), got {dtype!r}")
-    group, rank = engine.group, engine.rank
+    group, rank = engine.topology.shard_group, engine.rank  # the gathers are the shard group's
     names = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
     sources: dict[str, int | torch.Tensor] = {names[id(s.param)][0]: pid for pid, s in enumerate(engine.shards)}
