@@ -232,3 +232,29 @@ def test_an_overlapped_host_step_trains_bitwise_as_without_offload(pools: PoolSe
         # the gradients reach the host in the backward that ends the window, not at the step
         first_window = overlapped["host_grads"][:accumulation]
         assert first_window[:-1] == [0] * (accumulation - 1) and first_window[-1] > 0
+
+
+def _hsdp_with_and_without_offload(ctx: WorkerContext) -> list[dict[str, Any]]:
+    out = []
+    for offload in (None, OffloadConfig()):
+        torch.manual_seed(0)
+        config = zero3.Zero3Config(param_persistence_threshold=0, mics_shard_size=2, gradient_clipping=0.5,
+                                   offload_optimizer=offload)
+        engine = zero3.initialize(MLP(), lambda p: torch.optim.AdamW(p, lr=1e-2), config, fresh_group(ctx))
+        gen, losses = torch.Generator().manual_seed(ctx.rank), []
+        for _ in range(3):
+            loss = engine(torch.randn(6, 7, generator=gen)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append(dict(losses=losses, params=engine.full_state_dict(), memory=dict(engine.stats().memory.current)))
+    return out
+
+
+def test_offload_under_hsdp_is_bitwise_hsdp(pools: PoolSet) -> None:
+    """Shards, masters and state per shard group of 2, replicated twice (2x2), with the optimizer on the host."""
+    for plain, offloaded in pools.run(4, _hsdp_with_and_without_offload):
+        assert offloaded["losses"] == plain["losses"]
+        assert all(torch.equal(plain["params"][k], offloaded["params"][k]) for k in plain["params"])
+        assert offloaded["memory"]["optimizer_state"] == 0
+        assert offloaded["memory"]["host_optimizer_state"] == plain["memory"]["optimizer_state"] > 0
