@@ -239,10 +239,10 @@ def _hsdp_with_and_without_offload(ctx: WorkerContext) -> list[dict[str, Any]]:
     for offload in (None, OffloadConfig()):
         torch.manual_seed(0)
         config = zero3.Zero3Config(param_persistence_threshold=0, mics_shard_size=2, gradient_clipping=0.5,
-                                   offload_optimizer=offload)
+                                   gradient_accumulation_steps=2, offload_optimizer=offload)
         engine = zero3.initialize(MLP(), lambda p: torch.optim.AdamW(p, lr=1e-2), config, fresh_group(ctx))
         gen, losses = torch.Generator().manual_seed(ctx.rank), []
-        for _ in range(3):
+        for _ in range(6):  # 3 windows of 2 micro-steps
             loss = engine(torch.randn(6, 7, generator=gen)).pow(2).mean()
             engine.backward(loss)
             engine.step()
@@ -252,7 +252,8 @@ def _hsdp_with_and_without_offload(ctx: WorkerContext) -> list[dict[str, Any]]:
 
 
 def test_offload_under_hsdp_is_bitwise_hsdp(pools: PoolSet) -> None:
-    """Shards, masters and state per shard group of 2, replicated twice (2x2), with the optimizer on the host."""
+    """Shards, masters and state per shard group of 2, replicated twice (2x2), with the optimizer
+    on the host; the gradients cross the replicas once per window, then stream to the host."""
     for plain, offloaded in pools.run(4, _hsdp_with_and_without_offload):
         assert offloaded["losses"] == plain["losses"]
         assert all(torch.equal(plain["params"][k], offloaded["params"][k]) for k in plain["params"])

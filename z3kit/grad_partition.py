@@ -69,6 +69,17 @@ class GradPartitionBuffer:
         if not 0 <= index < len(self.views):
             raise ValueError(f"partition index {index} out of range [0, {len(self.views)})")
 
+    def withdraw(self, index: int) -> torch.Tensor | None:
+        """View ``index``'s sum so far (None: nothing accumulated), after which
+        the view counts as empty: the next ``accumulate`` copies over it. The
+        caller reads the view before that (a runtime that folds it into a
+        collective whose result lands back here)."""
+        self._check_index(index)
+        if not self._has_grad[index]:
+            return None
+        self._has_grad[index] = False
+        return self.views[index]
+
     def has_grad(self, index: int) -> bool:
         self._check_index(index)
         return self._has_grad[index]

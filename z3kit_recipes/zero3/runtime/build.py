@@ -211,6 +211,13 @@ def assemble(
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
     reduce_streams = stream_pairs(device)
     reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory)
+
+    def final_micro_step() -> bool:
+        """The backward under way ends the accumulation window (HSDP's replica stage, offload's streaming)."""
+        return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
+
+    if reducer is not None and reducer.replicas is not None:
+        reducer.replicas.final_micro_step = final_micro_step
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
@@ -219,7 +226,7 @@ def assemble(
     hooks = backward.hooks
     step_kind: Any = OptimizerStep if offload is None else functools.partial(
         OffloadedStep, layout=layout, overlap=offload.overlap,
-        final_landing=lambda: (state.micro_step + 1) % config.gradient_accumulation_steps == 0,
+        final_landing=final_micro_step,
         # the persistent parameters are gathered again right after the step, the rest as the forward needs them
         gather_order=lambda: [p for p, on in enumerate(coordinator.persistent) if on] + policies.trace.param_order(),
     )

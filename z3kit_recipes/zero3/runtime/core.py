@@ -162,7 +162,7 @@ class EngineCore:
         (``set_to_none``: accepted as ``nn.Module.zero_grad`` takes it; the
         parameters' ``.grad`` stays None anyway)."""
         if self.reducer is not None:
-            self.reducer.window.end()
+            self.reducer.end_window()
 
     # -- between steps -------------------------------------------------------------------------
     def check_idle(self, what: str) -> None:

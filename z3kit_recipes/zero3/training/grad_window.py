@@ -50,6 +50,19 @@ class GradWindow:
         if self.on_landed is not None:
             self.on_landed(pid, self.partitions.views[self.slot[pid]])
 
+    def buffer(self) -> torch.Tensor | None:
+        """Every partition, in one flat tensor (None: the window is not open)."""
+        return None if self.partitions is None else self.partitions.buffer
+
+    def withdraw(self, pid: int) -> torch.Tensor | None:
+        """``pid``'s sum so far, which the next landing replaces (``GradPartitionBuffer.withdraw``)."""
+        return None if self.partitions is None else self.partitions.withdraw(self.slot[pid])
+
+    def withdraw_all(self) -> dict[int, torch.Tensor]:
+        """Every parameter's sum so far, by id, each withdrawn (``withdraw``)."""
+        out = {pid: self.withdraw(pid) for pid in self.slot}
+        return {pid: view for pid, view in out.items() if view is not None}
+
     def mark_used(self, pids: Iterable[int]) -> None:
         """These parameters got a gradient on some rank (agreed across ranks)."""
         self._used.update(pids)

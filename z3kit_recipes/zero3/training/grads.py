@@ -70,6 +70,7 @@ from z3kit_recipes.zero3.ranks.agreement import Waiter
 from z3kit_recipes.zero3.training.grad_window import GradWindow
 from z3kit_recipes.zero3.training.reduction_plan import ReductionPlan
 from z3kit_recipes.zero3.training.reductions import ReductionFlights
+from z3kit_recipes.zero3.training.replicas import ReplicaStage
 
 
 class GradReducer:
@@ -114,8 +115,11 @@ class GradReducer:
         self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
         self._next = 0  # plan index of the next reduction to issue
         #: the reductions issued and not landed yet (``zero3.training.reductions``)
+        #: HSDP: the all-reduce across the replicas, once per window (``zero3.training.replicas``)
+        self.replicas = None if replicate is None else ReplicaStage(replicate, streams=streams, log=log,
+                                                                     memory=memory, waiter=waiter, device=self.device)
         self.flights = ReductionFlights(
-            shards, rank=self.rank, group=group, replicate=replicate, waiter=waiter, streams=streams, log=log,
+            shards, rank=self.rank, group=group, replicas=self.replicas, waiter=waiter, streams=streams, log=log,
             memory=memory, mode=mode, scale=scale,
         )
         self.window = GradWindow({}, [], device=self.device, memory=memory)  # made for ``trainable`` by replan
@@ -124,7 +128,7 @@ class GradReducer:
     def replan(self, trainable: Sequence[int]) -> None:
         """Partition slots and the reduction plan for ``trainable`` (at
         initialize, and when parameters are unfrozen between windows)."""
-        if self.window.is_open or self._buckets or self._waiting or not self.flights.idle:
+        if self.window_open or self._buckets or self._waiting or not self.flights.idle:
             raise RuntimeError("the reduction plan changes only between accumulation windows")
         shards = self.shards
         #: partition slot of each trainable parameter id
@@ -134,6 +138,8 @@ class GradReducer:
         self.window = GradWindow(self.slot, [shards[p].shard_numel for p in trainable], device=self.device,
                                  memory=self.memory, number=self.window.number)
         self.window.on_landed = listener
+        if self.replicas is not None:
+            self.replicas.replan(self.slot, [shards[p].shard_numel for p in trainable])
         self._numels = {pid: shards[pid].numel for pid in trainable}
         self._padded = {pid: shards[pid].padded_numel for pid in trainable}
         total = sum(self._padded.values())
@@ -296,7 +302,24 @@ class GradReducer:
             self.memory.free(MemoryKind.GRAD_BUCKETS, bucket.nbytes)
         self._buckets, self._waiting, self.late, self.arrived, self.handed = {}, {}, {}, set(), set()
         self._next = 0
+        self.end_window()
+
+    @property
+    def window_open(self) -> bool:
+        """Some gradient has landed since the last optimizer step (in the window, or pending under HSDP)."""
+        return self.window.is_open or (self.replicas is not None and self.replicas.pending.is_open)
+
+    def end_window(self) -> None:
+        """The optimizer consumed the window, or it was discarded (``zero_grad``, a failed backward)."""
         self.window.end()
+        if self.replicas is not None:
+            self.replicas.pending.end()
+
+    def flush_replicas(self) -> None:
+        """HSDP: make the window hold sums over every rank before it is read (a step, a save;
+        collective; see ``zero3.training.replicas``)."""
+        if self.replicas is not None:
+            self.replicas.flush(self.window)
 
     def mark_used(self, pids: Iterable[int]) -> None:
         """These parameters got a gradient on some rank in a backward of this window (agreed across ranks)."""

@@ -51,18 +51,19 @@ class OptimizerStep:
     def run(self) -> bool:
         """Clip, step, write back; False: skipped for an fp16 overflow (``zero3.training.loss_scale``)."""
         self.settle()
+        self.reducer.flush_replicas()
         self._before_scaling()
         factor: float | torch.Tensor | None = None
         if self.scaler is not None:
             finite, self._last_norm, factor = self.scaler.unscale_and_check(self.reducer, self.clip)
             self.scaler.update(overflow=not finite)
             if not finite:
-                self.reducer.window.end()
+                self.reducer.end_window()
                 return False
         elif self.clip > 0:
             self._last_norm, factor = self.reducer.clip_(self.clip)
         self._step(self.reducer.window.optimizer_grads(), factor)
-        self.reducer.window.end()
+        self.reducer.end_window()
         self._measure_if_grown()
         return True
 

@@ -10,16 +10,9 @@ were issued, and keeps the seconds blocked on them. What to reduce and when
 is the ``GradReducer``'s (``zero3.training.grads``).
 
 Note: HSDP's second stage.
-    Under HSDP (``zero3.ranks.topology``) a reduction is the reduce-scatter
-    (or all-reduce) within the shard group, then an all-reduce of this
-    rank's reduced partitions across the replicate group, both scaled once,
-    to the mean over every rank. The second is issued right after the first
-    completes, at issue time, never at landing: landing depends on timing,
-    and two ranks that issued one group's collective before another
-    group's in different orders could wait on each other for ever (on NCCL,
-    where one stream serializes both). Completing the first is a stream
-    wait on accelerators, and blocks the host on gloo, so there only the
-    second stage overlaps with compute. The flight then lands the second.
+    Under HSDP the reductions within the shard group are followed by an
+    all-reduce across the replicas, issued right after the first stage
+    completes (``zero3.training.replicas``, which says when and why).
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ from z3kit.shard import ParamShard
 from z3kit.streams import CommTicket, StreamPairLike
 from z3kit_recipes.zero3.ranks.agreement import Waiter
 from z3kit_recipes.zero3.training.grad_window import GradWindow
+from z3kit_recipes.zero3.training.replicas import ReplicaStage
 from z3kit_recipes.zero3.training.timeline import profiled
 
 #: reductions in flight at once before the oldest is waited for
@@ -54,6 +48,8 @@ class _Flight:
     parts: list[tuple[int, torch.Tensor]]
     #: bytes to free from the ledger once landed
     nbytes: int
+    #: HSDP: lands in this replica's pending sums, not the window (``zero3.training.replicas``)
+    local: bool = False
 
 
 class ReductionFlights:
@@ -65,7 +61,7 @@ class ReductionFlights:
         *,
         rank: int,
         group: ProcessGroup,
-        replicate: ProcessGroup | None = None,
+        replicas: ReplicaStage | None = None,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -76,8 +72,8 @@ class ReductionFlights:
         self.shards, self.rank = shards, rank
         self.group, self.waiter, self.streams, self.log, self.memory = group, waiter, streams, log, memory
         self.mode, self.scale = mode, scale
-        #: HSDP: the ranks holding the same partitions, across which they are all-reduced (see the Note)
-        self.replicate = replicate
+        #: HSDP: the all-reduce across the replicas (see the Note)
+        self.replicas = replicas
         self._flights: list[_Flight] = []
         #: reductions left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[_Flight] = []
@@ -125,9 +121,13 @@ class ReductionFlights:
         self._launch(_Flight(pending, ticket, [(pid, out)], held), f"gradient #{pid}")
 
     def _launch(self, flight: _Flight, what: str) -> None:
-        """``flight`` in flight; under HSDP, its shard group's stage completed
-        first and the all-reduce across the replicas in flight instead (see the Note)."""
-        if self.replicate is None:
+        """``flight`` in flight; under HSDP, in the backward that ends the window, its shard
+        group's stage completed first and the all-reduce across the replicas in flight instead."""
+        if self.replicas is None:
+            self._flights.append(flight)
+            return
+        if not self.replicas.final_micro_step():
+            flight.local = True
             self._flights.append(flight)
             return
         start = time.perf_counter()
@@ -138,20 +138,7 @@ class ReductionFlights:
             raise
         self.comm_wait_s += time.perf_counter() - start
         self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
-        self._flights.append(self._across_replicas(parts, what))
-
-    def _across_replicas(self, parts: list[tuple[int, torch.Tensor]], what: str) -> _Flight:
-        """All-reduce the shard group's reduced ``parts`` across the replicas,
-        through one contiguous buffer (HSDP's second stage, see the Note)."""
-        assert self.replicate is not None
-        flat = torch.cat([part.reshape(-1) for _, part in parts])  # contiguous: gloo misreads views
-        self.memory.allocate(MemoryKind.GRAD_BUCKETS, tensor_bytes(flat))
-        label = f"all_reduce across replicas of {what}"
-        with self.streams.communicate(reads=[flat], writes=[flat], label=label) as ticket:
-            # already scaled to the mean over every rank: a plain sum here
-            pending = all_reduce(flat, self.replicate, async_op=True, log=self.log)
-        sizes = [part.numel() for _, part in parts]
-        return _Flight(pending, ticket, list(zip([pid for pid, _ in parts], flat.split(sizes))), tensor_bytes(flat))
+        self._flights.append(_Flight(*self.replicas.launch(parts, what)))
 
     def _make_room(self, window: GradWindow) -> None:
         if len(self._flights) >= MAX_FLIGHTS:
@@ -167,8 +154,9 @@ class ReductionFlights:
             start = time.perf_counter()
             parts = self._complete(flight)
             self.comm_wait_s += time.perf_counter() - start
+            into = self.replicas.pending if flight.local and self.replicas is not None else window
             for pid, part in parts:
-                window.accumulate(pid, part)
+                into.accumulate(pid, part)
             self.memory.free(MemoryKind.GRAD_BUCKETS, flight.nbytes)
             if oldest_only:
                 return

@@ -137,7 +137,7 @@ class TrainableWatch:
                 f"parameters {shown} were unfrozen (requires_grad=True), but this engine was initialized without an "
                 "optimizer: it trains nothing. Initialize with an optimizer factory to train them"
             )
-        if self.reducer.window.is_open:
+        if self.reducer.window_open:
             raise RuntimeError(
                 f"parameters {shown} were unfrozen in the middle of a gradient-accumulation window; change "
                 "requires_grad between optimizer steps (after engine.step() returned True, or after zero_grad())"

@@ -99,6 +99,8 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
     engine.check_idle("save_checkpoint")
     engine.watch.check("save_checkpoint")
     engine.parts.backward.settle_checks()  # the open window's parameters marked used, as a step would
+    if engine.reducer is not None:
+        engine.reducer.flush_replicas()  # HSDP: the window's sums over every rank (zero3.training.replicas)
     mesh, layout = _mesh(engine), engine.layout
     state: dict[str, Any] = {}
     params_meta = []

@@ -285,7 +285,7 @@ def load_deepspeed_checkpoint(
     for group, values in zip(groups, hyper):
         group.update(values)
     if engine.reducer is not None:  # gradients accumulated before the load belong to other weights
-        engine.reducer.window.end()
+        engine.reducer.end_window()
     gas = engine.zero3_config.gradient_accumulation_steps
     engine.restore_progress(ckpt.global_steps, ckpt.global_steps * gas, window_open=False)
     engine.shards_changed()
