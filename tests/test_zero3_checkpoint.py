@@ -36,8 +36,9 @@ def micro_steps(ctx: Any, engine: Any, first: int, count: int) -> list[float]:
 
 
 def full_optimizer_state(engine: Any) -> dict[str, torch.Tensor]:
-    """Every sharded optimizer-state tensor, whole (collective), and whether
-    this rank's padding past the parameter's end is zero."""
+    """Every sharded optimizer-state tensor, whole (gathered over the shard group:
+    every rank's under flat ZeRO-3), checking that this rank's padding past the
+    parameter's end is zero."""
     from z3kit.collectives import all_gather
 
     out: dict[str, torch.Tensor] = {}
@@ -45,8 +46,8 @@ def full_optimizer_state(engine: Any) -> dict[str, torch.Tensor]:
         shard = engine.shards[pid]
         for key, value in sorted(engine.optimizer.state[master].items()):
             if value.dim() == 1:
-                whole = value.new_empty(value.numel() * engine.world)
-                all_gather(whole, value.detach().contiguous(), engine.group)
+                whole = value.new_empty(value.numel() * shard.world)
+                all_gather(whole, value.detach().contiguous(), engine.topology.shard_group)
                 out[f"{engine.param_names[pid]}.{key}"] = whole[: shard.numel].clone()
                 start, stop = engine.layout.local_range(pid)
                 assert bool((value[stop - start :] == 0).all()), "padding past the end is zero"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.test_zero3_checkpoint import full_optimizer_state
 from tests.zero3_models import (
     MLP,
     WORKLOADS,
@@ -197,22 +198,6 @@ def _micro_steps(ctx: Any, engine: Any, first: int, count: int) -> list[float]:
             for i in range(first, first + count)]
 
 
-def _optimizer_state(engine: Any) -> dict[str, torch.Tensor]:
-    """Every sharded optimizer-state tensor, whole (gathered over the shard group)."""
-    from z3kit.collectives import all_gather
-
-    out: dict[str, torch.Tensor] = {}
-    for pid, master in zip(engine.trainable, engine.masters):
-        shard = engine.shards[pid]
-        for key, value in sorted(engine.optimizer.state[master].items()):
-            if value.dim() == 1:
-                whole = value.new_empty(value.numel() * shard.world)
-                all_gather(whole, value.detach().contiguous(), engine.topology.shard_group)
-                value = whole[: shard.numel]
-            out[f"{engine.param_names[pid]}.{key}"] = value.detach().clone()
-    return out
-
-
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -223,17 +208,17 @@ def run_checkpoints(ctx: Any, root: str) -> dict[str, Any]:
     flat = _engine(ctx, 0, None)
     _micro_steps(ctx, flat, 0, 3)  # inside an accumulation window: its gradient partitions are saved too
     flat.save_checkpoint(f"{root}/flat")
-    saved_params, saved_optim = flat.full_state_dict(), _optimizer_state(flat)
+    saved_params, saved_optim = flat.full_state_dict(), full_optimizer_state(flat)
     want = _micro_steps(ctx, flat, 3, 5)
 
     hsdp = _engine(ctx, 5, 2)  # other initial values: everything must come from the checkpoint
     hsdp.load_checkpoint(f"{root}/flat")
-    loaded = _equal(hsdp.full_state_dict(), saved_params) and _equal(_optimizer_state(hsdp), saved_optim)
+    loaded = _equal(hsdp.full_state_dict(), saved_params) and _equal(full_optimizer_state(hsdp), saved_optim)
     got = _micro_steps(ctx, hsdp, 3, 2)
     hsdp.save_checkpoint(f"{root}/hsdp_open")  # HSDP inside a window
     got += _micro_steps(ctx, hsdp, 5, 3)
     hsdp.save_checkpoint(f"{root}/hsdp")
-    hsdp_params, hsdp_optim = hsdp.full_state_dict(), _optimizer_state(hsdp)
+    hsdp_params, hsdp_optim = hsdp.full_state_dict(), full_optimizer_state(hsdp)
     hsdp.save_pretrained(f"{root}/export")  # full values gathered in each shard group, written by rank 0
     imported = _engine(ctx, 8, 2)
     imported.load_pretrained(f"{root}/export")
@@ -243,11 +228,11 @@ def run_checkpoints(ctx: Any, root: str) -> dict[str, Any]:
     resumed.load_checkpoint(f"{root}/hsdp_open")
     resumed_losses = _micro_steps(ctx, resumed, 5, 3)
     resumed_exact = (resumed_losses == got[2:] and _equal(resumed.full_state_dict(), hsdp_params)
-                     and _equal(_optimizer_state(resumed), hsdp_optim))
+                     and _equal(full_optimizer_state(resumed), hsdp_optim))
 
     back = _engine(ctx, 7, None)
     back.load_checkpoint(f"{root}/hsdp")
-    back_loaded = _equal(back.full_state_dict(), hsdp_params) and _equal(_optimizer_state(back), hsdp_optim)
+    back_loaded = _equal(back.full_state_dict(), hsdp_params) and _equal(full_optimizer_state(back), hsdp_optim)
     next_losses = (_micro_steps(ctx, hsdp, 8, 4), _micro_steps(ctx, back, 8, 4))
     meshes = [read_manifest(Path(root) / name, CHECKPOINT_KIND)["mesh"] for name in ("flat", "hsdp")]
     return {"loaded": loaded, "want": want, "got": got, "resumed_exact": resumed_exact, "back_loaded": back_loaded,

@@ -55,6 +55,8 @@ class MemoryKind(enum.Enum):
 
 #: the kinds held in host memory rather than on the device
 HOST_KINDS = frozenset({MemoryKind.HOST_FP32_MASTERS, MemoryKind.HOST_OPTIMIZER_STATE, MemoryKind.HOST_GRAD_PARTITIONS})
+#: kinds of one runtime feature each (offload, hpZ): reported, as a group, once the feature held bytes
+FEATURE_KINDS = (HOST_KINDS, frozenset({MemoryKind.HPZ_SECONDARY}))
 
 
 def _zeros() -> dict[MemoryKind, int]:
@@ -86,7 +88,7 @@ class MemoryLedger:
     _peak: dict[MemoryKind, int] = attrs.field(factory=_zeros, init=False)
     _total: int = attrs.field(default=0, init=False)
     _peak_total: int = attrs.field(default=0, init=False)
-    _host_used: bool = attrs.field(default=False, init=False)
+    _features_used: set[frozenset[MemoryKind]] = attrs.field(factory=set, init=False)
 
     def allocate(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` more of ``kind`` are held."""
@@ -120,9 +122,11 @@ class MemoryLedger:
         self._peak_total = self._total
 
     def report(self, device_peak: int | None = None) -> MemoryReport:
-        """The figures by kind; the ``HOST_KINDS`` only once host bytes were held (an offloading runtime)."""
-        self._host_used = self._host_used or any(self._current[k] for k in HOST_KINDS)
-        kinds = [k for k in MemoryKind if self._host_used or k not in HOST_KINDS]
+        """The figures by kind; a feature's kinds (``FEATURE_KINDS``: the host's of an offloading
+        runtime, hpZ's) only once they held bytes."""
+        self._features_used.update(f for f in FEATURE_KINDS if any(self._current[k] for k in f))
+        hidden = set().union(*(f for f in FEATURE_KINDS if f not in self._features_used))
+        kinds = [k for k in MemoryKind if k not in hidden]
         return MemoryReport(
             current={k.value: self._current[k] for k in kinds},
             peak={k.value: self._peak[k] for k in kinds},
