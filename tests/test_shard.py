@@ -104,7 +104,7 @@ def test_from_param_into_one_flat_buffer_gathers_without_concatenation() -> None
     assert not flat.isnan().any(), "every element, padding included, was written"
     from z3kit.shard import _adjacent_view
 
-    view = _adjacent_view(shards)
+    view = _adjacent_view([s.shard for s in shards])
     assert view is not None and view.data_ptr() == flat.data_ptr() and view.numel() == flat.numel()
     with pytest.raises(ValueError, match="elements"):
         ParamShard.from_param(_param(5, (7, 3)), rank, world, out=torch.empty(5))

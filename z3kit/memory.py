@@ -49,6 +49,8 @@ class MemoryKind(enum.Enum):
     HOST_OPTIMIZER_STATE = "host_optimizer_state"
     #: host buffers the gradient partitions are copied into for a host optimizer step
     HOST_GRAD_PARTITIONS = "host_grad_partitions"
+    #: hpZ: this rank's 1/S slice of each parameter within its node, kept for backward's gathers
+    HPZ_SECONDARY = "hpz_secondary"
 
 
 #: the kinds held in host memory rather than on the device

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from z3kit.collectives import Blocker, CollectiveLog, Pending, ProcessGroup, all_gather
 from z3kit.streams import CommTicket, StreamPairLike, SyncStreamPair
@@ -243,15 +244,14 @@ def _free_storage(t: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def _adjacent_view(shards: Sequence[ParamShard]) -> torch.Tensor | None:
-    """One flat view over the shards when they lie back to back, in order, in
+def _adjacent_view(inputs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over the inputs when they lie back to back, in order, in
     one storage (a runtime that allocates its shards from one buffer gets
     coalesced gathers without a concatenation copy); None otherwise."""
-    first = shards[0].shard
+    first = inputs[0]
     storage = first.untyped_storage().data_ptr()
     offset = first.storage_offset()
-    for s in shards:
-        t = s.shard
+    for t in inputs:
         if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset or not t.is_contiguous():
             return None
         offset += t.numel()
@@ -265,6 +265,7 @@ def gather_shards(
     streams: StreamPairLike | None = None,
     async_op: bool = False,
     log: CollectiveLog | None = None,
+    sources: Sequence[torch.Tensor] | None = None,
 ) -> GatherHandle:
     """All-gather several parameters in one collective, on ``streams``'s
     communication stream (default: inline, for CPU).
@@ -275,6 +276,9 @@ def gather_shards(
     out per parameter on ``wait``. Full buffers get their bytes on the
     compute stream (see the Note in ``z3kit.streams``): one parameter's
     here, several parameters' in ``wait``, just before the copy-out.
+    ``sources``: what this rank gives instead of its shards, one per
+    parameter: its slice of the padded full parameter over ``group``'s ranks
+    in group-rank order (a secondary partition within a node, hpZ).
     """
     if not shards:
         raise ValueError("gather_shards needs at least one shard")
@@ -284,31 +288,36 @@ def gather_shards(
     if len({id(s) for s in shards}) != len(shards):
         raise ValueError("gather_shards got the same shard more than once")
     first = shards[0]
-    for s in shards[1:]:
-        if s.shard.dtype != first.shard.dtype or s.shard.device != first.shard.device:
+    inputs = [s.shard for s in shards] if sources is None else list(sources)
+    world = first.world if sources is None else dist.get_world_size(group)
+    if len(inputs) != len(shards):
+        raise ValueError(f"{len(inputs)} sources for {len(shards)} shards")
+    for s, source in zip(shards, inputs):
+        if sources is not None and source.numel() * world != s.padded_numel:
+            raise ValueError(f"each source must be 1/{world} of its parameter's padded {s.padded_numel} elements")
+        if source.dtype != inputs[0].dtype or source.device != inputs[0].device:
             raise TypeError("coalesced gather needs shards of one dtype and device")
-        if s.world != first.world or s.rank != first.rank:
+        if sources is None and (s.world != first.world or s.rank != first.rank):
             raise ValueError(
                 f"coalesced gather needs shards of one rank and world size, got rank {s.rank} of {s.world} "
                 f"and rank {first.rank} of {first.world}"
             )
     if streams is None:
         streams = SyncStreamPair(first.shard.device)
-    world = first.world
     total = sum(s.numel for s in shards)
     label = f"all_gather {len(shards)} param(s), {total} elements"
     finish: Callable[[], None]
     if len(shards) == 1:
         # the rank-major output of one parameter is its padded full buffer
         full = first.materialize()
-        with streams.communicate(reads=[first.shard], writes=[full], label=label) as ticket:
-            pending = all_gather(full, first.shard, group, async_op=True, log=log)
+        with streams.communicate(reads=[inputs[0]], writes=[full], label=label) as ticket:
+            pending = all_gather(full, inputs[0], group, async_op=True, log=log)
         finish = pending.wait
     else:
-        with streams.communicate(reads=[s.shard for s in shards], writes=[], label=label) as ticket:
-            flat_in = _adjacent_view(shards)
+        with streams.communicate(reads=inputs, writes=[], label=label) as ticket:
+            flat_in = _adjacent_view(inputs)
             if flat_in is None:
-                flat_in = torch.cat([s.shard for s in shards])
+                flat_in = torch.cat(inputs)
             out = flat_in.new_empty(world * flat_in.numel())
             ticket.hold(reads=[flat_in], writes=[out])
             pending = all_gather(out, flat_in, group, async_op=True, log=log)
@@ -317,7 +326,7 @@ def gather_shards(
             pending.wait()
             # one split-copy kernel fills every parameter's own full buffer
             # from the (world, sum of shard sizes) rank-major output
-            sizes = [s.shard_numel for s in shards]
+            sizes = [t.numel() for t in inputs]
             views = [s.full.view(world, n) for s, n in zip(shards, sizes)]
             torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1, out=views)
 

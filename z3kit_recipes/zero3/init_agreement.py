@@ -75,6 +75,7 @@ def summarize(
     *,
     world: int,
     shard_size: int | None = None,
+    hpz_size: int | None = None,
     training: bool,
     leaves: Sequence[nn.Module],
     policies: Policies,
@@ -84,7 +85,8 @@ def summarize(
 ) -> InitSummary:
     """This rank's summary for ``initialize`` (no collective). ``derived_knobs``:
     what ``config.memory_budget`` stands for on this model, when it is set."""
-    settings: dict[str, Any] = {"world size": world, "shard group size": world if shard_size is None else shard_size}
+    settings: dict[str, Any] = {"world size": world, "shard group size": world if shard_size is None else shard_size,
+                                "hpZ group size": hpz_size}
     for field in attrs.fields(Zero3Config):
         value = getattr(config, field.name)
         # 1 and 1.0 are the same clipping norm or timeout (not so for memory_budget: bytes or a fraction)

@@ -31,7 +31,7 @@ from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
-from z3kit_recipes.zero3.ranks.topology import check_mesh, shard_size_for, topology_for
+from z3kit_recipes.zero3.ranks.topology import check_mesh, hpz_size_for, shard_size_for, topology_for
 from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
@@ -131,6 +131,7 @@ def initialize(
     config, notes = _read_config(model, config, auto, world)
     # the size the parameters are sharded to: the world, or an HSDP shard group's
     shard_size = shard_size_for(config.mics_shard_size, device_mesh, process_group)
+    hpz_size = hpz_size_for(config.hpz_partition_size, shard_size, process_group, config.divergent_graphs)
     optimizer = _optimizer_factory(optimizer, config)
     if next(model.parameters(), None) is None:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard or train")
@@ -175,7 +176,8 @@ def initialize(
     policies = Policies(trace, release_policy, prefetch_limiter)
     # the last check, and the first collective: every rank got the same model and settings
     summary = summarize(
-        model, config, world=world, shard_size=shard_size, training=optimizer is not None, leaves=leaves,
+        model, config, world=world, shard_size=shard_size, hpz_size=hpz_size, training=optimizer is not None,
+        leaves=leaves,
         policies=policies, derived_knobs=None if plan is None else knobs,
         # the seed and the init function matter only where tensors are made on every rank
         init_seed=init_seed if meta else None, param_init_fn=param_init_fn if meta else None,
@@ -184,7 +186,7 @@ def initialize(
     tell(notes, dist.get_rank(process_group))
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
     # after the agreement: every rank builds the same mesh
-    topology = topology_for(process_group, device_mesh, shard_size, device.type)
+    topology = topology_for(process_group, device_mesh, shard_size, device.type, hpz_size)
     parts = assemble(model, optimizer, config, topology, device, leaves, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
 

@@ -119,14 +119,20 @@ class Zero3Config:
     #: across the groups (``zero3.ranks.topology``); it must divide the world size. "node": one
     #: node per shard group (torchrun's ``LOCAL_WORLD_SIZE``). None: flat, every rank one shard
     mics_shard_size: int | str | None = attrs.field(default=None)
+    #: hpZ (ZeRO++ hierarchical partitioning, DeepSpeed's ``zero_hpz_partition_size``): flat ZeRO-3, plus a
+    #: secondary slice of each parameter within groups of this many ranks (one node), so that backward's
+    #: gathers stay within them (``zero3.training.secondary``). "node": torchrun's ``LOCAL_WORLD_SIZE``.
+    #: None or 1: off
+    hpz_partition_size: int | str | None = attrs.field(default=None)
 
     @mics_shard_size.validator
-    def _check_mics_shard_size(self, attribute: attrs.Attribute[int | str | None], value: int | str | None) -> None:
+    @hpz_partition_size.validator
+    def _check_group_size(self, attribute: attrs.Attribute[int | str | None], value: int | str | None) -> None:
         if value is None or value == "node":
             return
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"Zero3Config.mics_shard_size must be a positive int (ranks per shard group), \"node\" "
-                             f"or None (flat), got {value!r}")
+            raise ValueError(f"Zero3Config.{attribute.name} must be a positive int (ranks per group), \"node\" "
+                             f"or None (off), got {value!r}")
 
     @memory_budget.validator
     def _check_memory_budget(self, attribute: attrs.Attribute[int | float | None], value: int | float | None) -> None:

@@ -14,7 +14,8 @@ among them) works unedited:
 - ``offload_optimizer`` to the CPU becomes ``Zero3Config.offload_optimizer``
   (``zero3.config.offload``): the optimizer steps on the host;
 - ``zero_optimization.mics_shard_size`` is HSDP (``Zero3Config.mics_shard_size``;
-  DeepSpeed's default, -1, is off); hpZ (``zero_hpz_partition_size`` > 1) is refused;
+  DeepSpeed's default, -1, is off); ``zero_hpz_partition_size`` is hpZ
+  (``Zero3Config.hpz_partition_size``; DeepSpeed's default, 1, is off);
 - keys that would change the result and that z3kit does not implement are
   refused by name;
 - the batch sizes are related as DeepSpeed relates them
@@ -84,7 +85,7 @@ _ZERO_KEYS: Final = {
     "reduce_scatter": "reduce_scatter",
 }
 _INT_FIELDS: Final = frozenset({*(v for k, v in _ZERO_KEYS.items() if k.startswith(("stage3", "reduce_bucket"))),
-                                "gradient_accumulation_steps", "mics_shard_size"})
+                                "gradient_accumulation_steps", "mics_shard_size", "hpz_partition_size"})
 _SECTIONS: Final = frozenset({"bf16", "fp16", "amp", "optimizer", "scheduler", "zero_optimization"})
 
 
@@ -162,11 +163,8 @@ def read_deepspeed(
         elif zkey == "mics_shard_size":  # HSDP: ranks per shard group; DeepSpeed's default, -1, is off
             if zvalue != -1:
                 take("mics_shard_size", name, zvalue)
-        elif zkey == "zero_hpz_partition_size" and zvalue != 1:  # DeepSpeed's default, 1, is hpZ off
-            raise ValueError(f"{name} (hpZ, a secondary partition of the parameters) is not yet supported by z3kit; "
-                             "remove it or set it to 1. HSDP/MiCS (mics_shard_size) is")
-        elif zkey == "zero_hpz_partition_size":
-            inert.append(name)
+        elif zkey == "zero_hpz_partition_size":  # hpZ; DeepSpeed's default, 1, is off
+            take("hpz_partition_size", name, zvalue)
         elif zkey in ("offload_optimizer", "offload_param"):
             _offload(name, zvalue, inert, offloaded, unsupported)
             if zkey == "offload_optimizer" and name in offloaded:  # real offload (zero3.training.offload)
@@ -213,7 +211,7 @@ def supported_keys() -> list[str]:
     """Every key of a DeepSpeed JSON that z3kit accepts, for messages."""
     return sorted([*_TOP_LEVEL, *_BATCH, *_INERT_TOP_LEVEL, "bf16.enabled", *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
         + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *_INERT_ZERO, "offload_optimizer",
-                                                    "offload_param", "mics_shard_size"))
+                                                    "offload_param", "mics_shard_size", "zero_hpz_partition_size"))
 
 
 def _section(ds: Mapping[str, Any], key: str, spelled: str | None = None) -> Mapping[str, Any]:

@@ -20,6 +20,15 @@ Note: which group carries what.
     layout is HSDP with R = 1: no replicate group, the shard group is the
     world group.
 
+Note: hpZ.
+    ZeRO++'s hierarchical partitioning keeps the flat layout (the shard
+    group is the world group, no replicas) and adds ``secondary_group``, a
+    group of S ranks (one node) within which backward gathers collect the
+    secondary slices that each training forward kept
+    (``zero3.training.secondary``). It is refused with HSDP (DeepSpeed
+    does not combine them either) and with rank-divergent graphs, whose
+    ranks may keep different slices.
+
 Note: shard size "node".
     torchrun tells each rank how many ranks its node runs
     (``LOCAL_WORLD_SIZE``); "node" makes that the shard size, so that the
@@ -51,6 +60,8 @@ class Topology:
     replicate_group: ProcessGroup | None
     #: the (replicate, shard) mesh of an HSDP layout; None when flat
     mesh: DeviceMesh | None
+    #: hpZ: the node's ranks, among which backward gathers secondary slices; None: off
+    secondary_group: ProcessGroup | None = None
 
     @property
     def shard_size(self) -> int:
@@ -64,7 +75,7 @@ class Topology:
     @property
     def subgroups(self) -> tuple[ProcessGroup, ...]:
         """The groups other than the world group that collectives run on (the watcher aborts them too)."""
-        found = (self.shard_group, self.replicate_group)
+        found = (self.shard_group, self.replicate_group, self.secondary_group)
         return tuple(g for g in found if g is not None and g is not self.world_group)
 
     @property
@@ -82,22 +93,22 @@ def flat(group: ProcessGroup) -> Topology:
     return Topology(group, group, None, None)
 
 
-def resolve_shard_size(value: int | str | None, world: int) -> int:
-    """The shard group size that ``Zero3Config.mics_shard_size`` stands for
-    at ``world`` ranks (None: ``world``, flat); it must divide ``world``."""
+def resolve_shard_size(value: int | str | None, world: int, key: str = "mics_shard_size") -> int:
+    """The group size that ``Zero3Config.mics_shard_size`` (or ``key``) stands
+    for at ``world`` ranks (None: ``world``, flat); it must divide ``world``."""
     if value is None:
         return world
     if value == "node":
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if local is None or not local.isdigit() or int(local) < 1:
             raise ValueError(
-                "mics_shard_size=\"node\" takes the shard size from torchrun's LOCAL_WORLD_SIZE, which is "
+                f"{key}=\"node\" takes the group size from torchrun's LOCAL_WORLD_SIZE, which is "
                 f"{'not set' if local is None else repr(local)}: launch with torchrun, or give the size as a number")
         size = int(local)
-        what = f"mics_shard_size=\"node\" (LOCAL_WORLD_SIZE={size})"
+        what = f"{key}=\"node\" (LOCAL_WORLD_SIZE={size})"
     else:
         assert isinstance(value, int)
-        size, what = value, f"mics_shard_size={value}"
+        size, what = value, f"{key}={value}"
     if world % size != 0:
         raise ValueError(f"{what} does not divide the world size {world}: the ranks must split into whole shard "
                          "groups; choose a divisor of the world size")
@@ -158,11 +169,33 @@ def shard_size_for(mics_shard_size: int | str | None, mesh: DeviceMesh | None, g
     return size
 
 
-def topology_for(group: ProcessGroup, mesh: DeviceMesh | None, shard_size: int, device_type: str) -> Topology:
-    """The engine's groups (collective where the mesh is built here: every rank calls it)."""
+def hpz_size_for(hpz_partition_size: int | str | None, shard_size: int, group: ProcessGroup,
+                 divergent_graphs: bool) -> int | None:
+    """hpZ's secondary group size (None: off), checked against the rest of the layout (see the Note)."""
+    world = dist.get_world_size(group)
+    size = resolve_shard_size(hpz_partition_size, world, "hpz_partition_size")
+    if hpz_partition_size is None or size in (1, world):
+        return None  # 1 is DeepSpeed's "off"; the world is flat ZeRO-3 already
+    if shard_size != world:
+        raise ValueError(f"hpz_partition_size={hpz_partition_size!r} with HSDP (a shard group of {shard_size}): "
+                         "hpZ keeps the flat layout and adds a secondary one; choose one of them")
+    if world != dist.get_world_size():
+        raise ValueError(f"hpz_partition_size={hpz_partition_size!r} with a process_group of {world} of the "
+                         f"{dist.get_world_size()} ranks: hpZ builds its node groups over every rank; drop process_group")
+    if divergent_graphs:
+        raise ValueError("hpz_partition_size with divergent_graphs=True: ranks whose graphs differ would keep "
+                         "different secondary slices and split backward's gathers differently; use one of them")
+    return size
+
+
+def topology_for(group: ProcessGroup, mesh: DeviceMesh | None, shard_size: int, device_type: str,
+                 hpz_size: int | None = None) -> Topology:
+    """The engine's groups (collective where a mesh is built here: every rank calls it)."""
     if mesh is not None:
         return from_mesh(mesh)
     world = dist.get_world_size(group)
+    if hpz_size is not None:  # the flat layout, and the node groups of an (N/S, S) mesh for the secondary slices
+        return Topology(group, group, None, None, hsdp_mesh(device_type, world, hpz_size).get_group("shard"))
     if shard_size == world:
         return flat(group)
     return from_mesh(hsdp_mesh(device_type, world, shard_size))

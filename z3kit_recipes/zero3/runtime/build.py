@@ -56,6 +56,7 @@ from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.rounds import FetchRounds
+from z3kit_recipes.zero3.training.secondary import SecondaryPartitions
 from z3kit_recipes.zero3.training.timeline import Timeline
 from z3kit_recipes.zero3.training.trainable import MasterShards, OptimizerFactory, TrainableWatch
 
@@ -194,6 +195,8 @@ def assemble(
         layout.shards, group=topology.shard_group, streams=stream_pairs(device), trace=policies.trace,
         limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
     )
+    if topology.secondary_group is not None:  # hpZ: backward gathers within the node
+        gatherer.secondary = SecondaryPartitions(layout.shards, topology.secondary_group, state, memory)
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
         gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,

@@ -130,6 +130,8 @@ class EngineCore:
         if self.parts.optimizer_step is not None:
             self.parts.backward.before_step()
             stepped = self.parts.optimizer_step.run()
+            if stepped:
+                self.coordinator.gatherer.shards_updated()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
         self.coordinator.refresh_persistent()
@@ -178,6 +180,7 @@ class EngineCore:
     def shards_changed(self) -> None:
         """The shards were written from outside (a load): gathered copies are stale."""
         self.coordinator.gatherer.wait_inflight()
+        self.coordinator.gatherer.shards_updated()
         self.coordinator.discard(range(len(self.shards)))
 
     def require_optimizer(self, what: str) -> torch.optim.Optimizer:

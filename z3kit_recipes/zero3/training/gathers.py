@@ -31,6 +31,7 @@ from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder, TraceFetch
 from z3kit_recipes.zero3.ranks.agreement import StepRecord, Waiter
+from z3kit_recipes.zero3.training.secondary import SecondaryPartitions
 from z3kit_recipes.zero3.training.timeline import profiled
 
 
@@ -70,14 +71,32 @@ class Gatherer:
         self.comm_wait_s = 0.0
         #: called with the parameters of each gather before it is issued (offload: their update must be written)
         self.before_gather: Callable[[Sequence[int]], None] | None = None
+        #: hpZ: backward gathers from slices within the node (``zero3.training.secondary``); None: off
+        self.secondary: SecondaryPartitions | None = None
 
     # -- issue and complete --------------------------------------------------------------
     def gather(self, pids: list[int], *, wait: bool) -> None:
-        """One collective for ``pids`` (all NOT_AVAILABLE); completed now with ``wait``."""
+        """One collective for ``pids`` (all NOT_AVAILABLE); completed now with ``wait``. Under
+        hpZ, two in backward: over every rank, and from the slices within the node."""
         if self.before_gather is not None:
             self.before_gather(pids)
+        if self.secondary is None:
+            self._gather(pids, wait, None)
+            return
+        everywhere, in_node = self.secondary.split(pids)
+        if everywhere:
+            self._gather(everywhere, wait, None)
+        if in_node:
+            self._gather(in_node, wait, self.secondary)
+
+    def _gather(self, pids: list[int], wait: bool, secondary: SecondaryPartitions | None) -> None:
         self.limiter.on_gather(sum(self.numels[p] for p in pids))
-        handle = gather_shards([self.shards[p] for p in pids], self.group, streams=self.streams, async_op=True, log=self.log)
+        shards = [self.shards[p] for p in pids]
+        if secondary is None:
+            handle = gather_shards(shards, self.group, streams=self.streams, async_op=True, log=self.log)
+        else:
+            handle = gather_shards(shards, secondary.group, streams=self.streams, async_op=True, log=self.log,
+                                   sources=secondary.sources(pids))
         self.record.gathers += 1
         # one parameter is gathered into its own buffer; several into an output
         # buffer that completion copies out of (both exist for a moment) and frees
@@ -94,11 +113,18 @@ class Gatherer:
         self.comm_wait_s += time.perf_counter() - start
         for s in handle.shards:
             self._handles.pop(self.index[id(s.param)], None)
+        pids = [self.index[id(s.param)] for s in handle.shards]
         if handle.staging_numel:
-            pids = [self.index[id(s.param)] for s in handle.shards]
             self.memory.allocate(MemoryKind.GATHERED_PARAMS, sum(self._gathered_bytes[p] for p in pids))
             self.memory.free(MemoryKind.GATHERED_PARAMS, handle.staging_numel * self._element_size)
+        if self.secondary is not None:
+            self.secondary.keep(pids)
         self.limiter.on_gather_done()
+
+    def shards_updated(self) -> None:
+        """The shards changed (an optimizer step, a load): hpZ's slices of them are stale."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
 
     def ensure_gathered(self, pids: Iterable[int]) -> None:
         """Make ``pids`` AVAILABLE now: gather the missing ones in one
