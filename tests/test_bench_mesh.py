@@ -106,3 +106,31 @@ def test_hpz_layout_asks_for_the_secondary_partition_by_its_field_name() -> None
         hpz: dict[str, Any] = {"hpz_partition_size": 2}
         with pytest.raises(TypeError):
             attrs.evolve(Zero3Config(), **hpz)
+
+
+def test_table_shows_a_layout_that_could_not_run_and_checks_what_ran() -> None:
+    shape = MeshShape(2, 2)
+    flat: dict[str, Any] = {
+        "status": "ok", "layout": "flat", "total_params": 1000, "median_s": 0.5, "losses": [1.0, 0.9],
+        "inter_node_bytes_per_step": 4000.0, "intra_node_bytes_per_step": 2000.0, "link_method": "engine.stats()",
+        "counted": {"inter_node_bytes": 4100.0, "intra_node_bytes": 2000.0, "backward_gather_inter_node_bytes": 1100.0,
+                    "engine_same_step": {"inter_node": 4000.0, "intra_node": 2000.0}},
+        "memory": {"init_peak": 1, "train_peak": 2, "resident_after_step": 1},
+        "ledger_resident_bytes": 3030, "resident_bound_bytes": 3000.0, "ledger_over_bound": 1.01,
+    }
+    report: dict[str, Any] = {
+        "meta": {"mesh": "2x2", "replicas": 2, "shard_size": 2, "workload": "tiny", "steps": 1, "warmup": 0},
+        "layouts": {"flat": flat, "hsdp": {"status": "error", "note": "boom"},
+                    "hpz": {"status": "unavailable", "note": "hpZ not built yet"}},
+    }
+    from z3kit_recipes.bench.mesh_checks import check_targets
+
+    report["checks"] = check_targets(report, shape, tolerance=1.1)
+    assert report["checks"]["hsdp_inter_node"] == {"status": "not run"}
+    hpz = report["checks"]["hpz_inter_node"]
+    assert hpz["status"] == "unavailable: hpZ not built yet"
+    assert hpz["expected_inter_node_bytes_less_backward_gathers"] == 4100.0 - 1100.0
+    assert report["checks"]["resident_vs_bound"]["flat"]["status"] == "ok"
+    table = render_mesh_table(report)
+    assert "| hpz | unavailable: hpZ not built yet |" in table and "| hsdp | error: boom |" in table
+    assert "| flat | 3.91 KiB | 1.00x |" in table

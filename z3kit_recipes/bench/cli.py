@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_parse_mesh, default=None, metavar="RxS",
                    help="instead of the runtime table: flat ZeRO-3, HSDP, hpZ and FSDP2-HSDP on R nodes of S "
                         "gloo ranks (LOCAL_WORLD_SIZE=S), by bytes crossing nodes, step time and memory "
-                        "(--workload: default gpt; --world and --runtimes are ignored)")
+                        "(--workload: default gpt; --threads: default 1; --world and --runtimes are ignored)")
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="JSON report path")
     p.add_argument("--plot", action="store_true",
                    help="also write, next to --out, a PNG of step time against train peak memory "
