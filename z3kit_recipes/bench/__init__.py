@@ -6,6 +6,7 @@
         [--budget FRACTION|BYTES] [--threads auto|N] [--trial-steps N] [--probe-steps N]
         [--tie-mode hf|functional] [--zero-config JSON] [--pycache-dir DIR]
         [--out bench.json] [--plot]
+    python -m z3kit_recipes.bench --mesh RxS [--workload tiny|gpt|llama] [--steps N] [--warmup N]
 
 Every runtime trains the same workload (:mod:`z3kit_recipes.models`): the same
 seeded initial weights on every rank, the same per-rank data (seeded by rank
@@ -31,6 +32,10 @@ Modules: ``cli`` (options, run driver), ``spawn`` (one run's processes),
 ``measure`` (what a rank does and measures), ``rss`` (memory probe),
 ``collectives`` (profiler count of collectives), ``runners`` (one module
 per runtime family), ``report`` (comparison with DDP, table), ``plot``.
+``--mesh RxS`` (flat ZeRO-3, HSDP, hpZ and FSDP2-HSDP on R "nodes" of S
+ranks, by bytes crossing nodes): ``mesh`` (driver, table), ``mesh_spec``
+(mesh, layouts, bounds), ``mesh_rank`` (what a rank does), ``mesh_checks``
+(the targets), ``link_count`` (bytes per link from the c10d operators).
 """
 
 from z3kit_recipes.bench.cli import build_parser, main, run

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from z3kit_recipes.bench.mesh_spec import MeshShape
 from z3kit_recipes.bench.report import compare_to_ddp, render_table
 from z3kit_recipes.bench.runners import unavailable_reason
 from z3kit_recipes.bench.spec import (
@@ -60,6 +61,13 @@ def _parse_worlds(text: str) -> list[int]:
     if any(w < 1 for w in worlds):
         raise argparse.ArgumentTypeError("--world sizes must be >= 1")
     return worlds
+
+
+def _parse_mesh(text: str) -> MeshShape:
+    try:
+        return MeshShape.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parse_budget(text: str) -> int | float:
@@ -136,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"at least {MIN_COMPILE_WARMUP} steps")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend under --compile (default %(default)s; aot_eager compiles faster)")
+    p.add_argument("--mesh", type=_parse_mesh, default=None, metavar="RxS",
+                   help="instead of the runtime table: flat ZeRO-3, HSDP, hpZ and FSDP2-HSDP on R nodes of S "
+                        "gloo ranks (LOCAL_WORLD_SIZE=S), by bytes crossing nodes, step time and memory "
+                        "(--workload: default gpt; --threads: default 1; --world and --runtimes are ignored)")
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="JSON report path")
     p.add_argument("--plot", action="store_true",
                    help="also write, next to --out, a PNG of step time against train peak memory "
@@ -265,6 +277,10 @@ def run(args: argparse.Namespace) -> JSON:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     use_bytecode_cache(args.pycache_dir)
+    if args.mesh is not None:  # the layouts' comparison in place of the runtime table
+        from z3kit_recipes.bench.mesh import main_mesh
+
+        return main_mesh(args)
     report = run(args)
     print()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -283,3 +299,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"at the start, {meta['loadavg_1min_end']:.1f} at the end; report written to {args.out}"
     )
     return 0
+

@@ -48,10 +48,18 @@ def launch(spec_args: dict[str, Any]) -> JSON:
     fd, out_path = tempfile.mkstemp(prefix="z3bench-", suffix=".json")
     os.close(fd)
     spec = RunSpec(port=free_port(), out_path=out_path, **spec_args)
+    return spawn_ranks(worker, spec, nprocs=spec.world, threads=spec.threads[0], out_path=out_path)
+
+
+def spawn_ranks(rank_main: Callable[[int, Any], None], spec: Any, *, nprocs: int, threads: int,
+                out_path: str) -> JSON:
+    """``rank_main(rank, spec)`` on ``nprocs`` fresh processes, ``threads`` intra-op threads
+    each and glibc returning freed memory; the JSON that rank 0 wrote to ``out_path``
+    (removed after), or an error result (``status``, ``note``). ``wall_s`` is added."""
     t0 = time.perf_counter()
     try:
-        with _omp_threads(spec.threads[0]), malloc_returns_freed_memory():
-            _spawn(worker, args=(spec,), nprocs=spec.world, join=True)
+        with _omp_threads(threads), malloc_returns_freed_memory():
+            _spawn(rank_main, args=(spec,), nprocs=nprocs, join=True)
         result: JSON = json.loads(Path(out_path).read_text())
     except Exception as exc:  # noqa: BLE001 - one runtime failing must not stop the rest
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,9 @@ from torch import nn
 from z3kit_recipes.bench.runners import CompileSpec
 from z3kit_recipes.bench.spec import JSON, LR
 from z3kit_recipes.models import Workload
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # torch's stubs leave Tensor.backward untyped; bind it once with the type used here.
 _backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
@@ -69,7 +72,8 @@ class FSDP2Runner(_TorchOptimizerStep):
 
     With ``reshard_after_forward=False`` a module's parameters stay gathered
     from its forward to its backward (ZeRO-2-like memory for parameters,
-    no second all-gather in backward).
+    no second all-gather in backward). ``mesh``: FSDP2's device mesh (a 2-D
+    ("replicate", "shard") one is HSDP); by default a 1-D mesh over ``group``.
     """
 
     peak_method = (
@@ -78,15 +82,16 @@ class FSDP2Runner(_TorchOptimizerStep):
     )
 
     def __init__(
-        self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool, compiled: CompileSpec | None = None
+        self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool, compiled: CompileSpec | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
-        # the mesh lives where the model does: CPU under gloo, the rank's GPU under nccl (bench.gpu)
-        mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+        if mesh is None:  # where the model lives: CPU under gloo, the rank's GPU under nccl (bench.gpu)
+            mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in wl.blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
