@@ -14,6 +14,13 @@ backward, optimizer step) and per kind, so that a step's gathers can be
 told apart from its gradient reductions. A collective issued from a thread
 of the runtime's own is not seen; compare ``total`` with the runtime's own
 count where there is one.
+
+Note: the private parts.
+    ``TorchDispatchMode`` lives in ``torch.utils._python_dispatch`` and the
+    operator names and argument positions (``C10D_OPS``) are torch's
+    internals; this module is their only reader, for the bench alone (the
+    runtime never counts this way), and ``tests/test_bench_mesh.py`` pins
+    them: its count must agree with the engine's own ``CollectiveLog``.
 """
 
 from __future__ import annotations
