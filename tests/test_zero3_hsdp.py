@@ -144,6 +144,24 @@ def test_huggingface_model_from_a_deepspeed_json(pools: Any) -> None:
     assert_hsdp_layout(results)
 
 
+@pytest.mark.parametrize(("layout", "dtype"), [("mics_shard_size", "bf16"), ("hpz_partition_size", "fp32"),
+                                               ("hpz_partition_size", "bf16")])
+def test_huggingface_llama_parity_at_2x2(pools: Any, layout: str, dtype: str) -> None:
+    """An unmodified Hugging Face Llama against DDP over the 4 ranks: HSDP in bf16, hpZ
+    (flat ZeRO-3 with backward gathers in node groups of 2) in fp32 and bf16."""
+    pytest.importorskip("transformers")
+    case = Case("hf_llama", {**SHARDED, "compute_dtype": dtype, layout: 2}, lr=3e-3, steps=3)
+    for r in pools.run(4, run_pair, case, "config"):
+        if dtype == "fp32":
+            gap = max(abs(a - b) for a, b in zip(r.engine_losses, r.ddp_losses))
+            assert gap <= 1e-6, f"fp32 losses differ from DDP's by {gap:.3g}"
+            continue
+        got = torch.tensor(r.engine_losses, dtype=torch.float64)
+        want = torch.tensor(r.ddp_losses, dtype=torch.float64)
+        assert ((got - want).abs() / want.abs()).max().item() <= 3e-2
+        assert rel_norm_error(r.engine_params, r.ddp_params) <= 3e-2
+
+
 def run_fp16_overflow(ctx: Any) -> dict[str, Any]:
     """fp16 with an inf in rank 3's input at step 2 only (rank 3: the second replica)."""
     from z3kit_recipes import zero3
