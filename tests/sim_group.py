@@ -8,7 +8,6 @@ every collective on an inner gloo group over the same store, and hands back
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from tests.dist_pool import PoolSet, WorkerContext, fresh_group
 from tests.zero3_models import MLP

@@ -32,6 +32,7 @@ __all__ = [
     "LeafModuleHook",
     "LinkClass",
     "ModuleHooks",
+    "NodeMap",
     "ParamShard",
     "ParamStatus",
     "Pending",
@@ -45,7 +46,6 @@ __all__ = [
     "StreamPair",
     "StreamPairLike",
     "SyncStreamPair",
-    "NodeMap",
     "TraceFetch",
     "TraceRecorder",
     "TraceState",
@@ -62,4 +62,5 @@ __all__ = [
     "reduce_scatter",
     "resolve_device",
     "shard_numel_for",
+    "stream_pair_for",
 ]

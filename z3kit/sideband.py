@@ -26,7 +26,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 
 
 @attrs.frozen

@@ -16,8 +16,8 @@ where a rank cannot reach the check at all.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import torch

@@ -37,7 +37,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from z3kit import process_group

@@ -25,7 +25,7 @@ from z3kit.collectives import CollectiveLog, ProcessGroup, failed_ranks
 from z3kit.flat_bucket import ReduceMode
 from z3kit.hooks import ModuleHooks
 from z3kit.links import NodeMap
-from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes, tensor_bytes
+from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus

@@ -19,7 +19,7 @@ Note: the module hooks are made here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Sequence, Set
 
 import torch
 from torch import nn

@@ -40,7 +40,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
