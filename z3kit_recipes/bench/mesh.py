@@ -8,8 +8,9 @@ FSDP2's counted from the c10d operators it dispatches, ``link_count``, under
 the same direct-exchange model of ``z3kit.links``), step time, peak and
 resident memory, and the resident bytes the runtime holds against the
 analytic bound (``mesh_spec.resident_bound_bytes``). Then the issue's
-targets are checked (``mesh_checks``). hpZ runs once ``Zero3Config`` has
-``hpz_partition_size``; until then its row says it is unavailable.
+targets are checked (``mesh_checks``). A layout this torch cannot run
+(FSDP2's HSDP on gloo before gloo took ``ReduceOp.AVG``) is reported as
+unavailable, with why.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from z3kit_recipes.bench.mesh_checks import check_targets, render_checks
 from z3kit_recipes.bench.mesh_spec import (
-    LAYOUT_DESCRIPTIONS, LAYOUTS, MESH_ZERO_CONFIG, LayoutName, MeshRunSpec, MeshShape, hpz_unavailable_reason, resident_bound_bytes,
+    LAYOUT_DESCRIPTIONS, LAYOUTS, MESH_ZERO_CONFIG, LayoutName, MeshRunSpec, MeshShape, resident_bound_bytes,
 )
 from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON
 from z3kit_recipes.launch import free_port
@@ -57,9 +58,7 @@ def run_mesh(shape: MeshShape, *, workload: str, steps: int = MESH_STEPS, warmup
     """Every layout at ``shape``; the report. ``fresh_processes=False`` runs them all in
     one spawn, in turn (faster to start; each layout's memory is still taken above its
     own baseline, but a layout can inherit the heap its predecessor left)."""
-    hpz_note = hpz_unavailable_reason()
-    runnable = tuple(layout for layout in layouts if not (layout == "hpz" and hpz_note))
-    batches = [(layout,) for layout in runnable] if fresh_processes else [runnable]
+    batches = [(layout,) for layout in layouts] if fresh_processes else [tuple(layouts)]
     results: dict[str, JSON] = {}
     load = os.getloadavg()[0]
     t_all = time.perf_counter()
@@ -75,8 +74,6 @@ def run_mesh(shape: MeshShape, *, workload: str, steps: int = MESH_STEPS, warmup
         print(f"    done in {out['wall_s']:.1f} s", flush=True)
         for layout, result in out["layouts"].items():
             results[layout] = {**result, "wall_s": out["wall_s"] if fresh_processes else None}
-    if "hpz" in layouts and hpz_note:
-        results["hpz"] = {"status": "unavailable", "note": hpz_note}
     for layout in layouts:
         result = results.get(layout, {"status": "not run"})
         if result["status"] == "ok":

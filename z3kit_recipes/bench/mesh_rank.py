@@ -66,11 +66,21 @@ def build_layout(spec: MeshRunSpec, layout: LayoutName, wl: Workload, group: dis
     if layout == "hsdp":
         config = attrs.evolve(config, mics_shard_size=shard)
     elif layout == "hpz":
-        # the knob another branch adds: named through a dict so that this type-checks before it
-        # exists (the parent runs this layout only once ``Zero3Config`` has the field)
-        hpz: dict[str, Any] = {"hpz_partition_size": shard}
-        config = attrs.evolve(config, **hpz)
+        config = attrs.evolve(config, hpz_partition_size=shard)
     return Z3kitRunner(wl, group, config)
+
+
+def unavailable_reason(layout: LayoutName, group: dist.ProcessGroup) -> str:
+    """Why ``layout`` cannot run here ("" when it can; the same answer on every rank)."""
+    if layout != "fsdp2-hsdp":
+        return ""
+    probe = torch.ones(1)
+    try:  # a local check of gloo's, before any traffic: every rank raises alike, or none does
+        dist.all_reduce(probe, op=dist.ReduceOp.AVG, group=group)
+    except RuntimeError:
+        return (f"FSDP2's HSDP all-reduces with ReduceOp.AVG, which gloo refuses on torch {torch.__version__} "
+                "(it takes it on 2.13)")
+    return ""
 
 
 def engine_link_bytes(runner: MeshRunner) -> dict[str, int] | None:
@@ -228,7 +238,11 @@ def mesh_worker(rank: int, spec: MeshRunSpec) -> None:
         group = dist.group.WORLD
         assert group is not None
         probe = memory_probe(DEVICE)
-        results = {layout: measure_layout(spec, layout, rank, group, probe) for layout in spec.layouts}
+        results = {}
+        for layout in spec.layouts:
+            why = unavailable_reason(layout, group)
+            results[layout] = ({"status": "unavailable", "note": why} if why
+                               else measure_layout(spec, layout, rank, group, probe))
         if rank == 0:
             Path(spec.out_path).write_text(json.dumps({"status": "ok", "layouts": results}))
     except BaseException:

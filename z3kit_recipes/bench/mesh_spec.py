@@ -71,13 +71,6 @@ class MeshShape:
         return cls(replicas, shard_size)
 
 
-def hpz_unavailable_reason() -> str:
-    """"" when ``Zero3Config`` has hpZ's knob, else why the hpZ row cannot run."""
-    from z3kit_recipes.zero3 import Zero3Config
-
-    return "" if "hpz_partition_size" in attrs.fields_dict(Zero3Config) else "hpZ not built yet"
-
-
 def resident_bound_bytes(layout: LayoutName, total_params: int, mesh: MeshShape) -> float:
     """What one rank holds after an optimizer step in theory (fp32, Adam):
     its shard, which is its master, and Adam's moments, over 1/N of the
