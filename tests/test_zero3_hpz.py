@@ -74,6 +74,8 @@ CASES = {
     "mlp_bf16": ("mlp", dict(compute_dtype="bf16")),
     # reentrant activation checkpointing: the recomputed forward gathers again inside backward
     "hf_llama_shared_checkpointed": ("hf_shared_layers_ckpt", {}),
+    # tied input and output embeddings: one parameter, gathered in forward and again in backward
+    "hf_gpt2_tied": ("hf_gpt2", {}),
 }
 
 
