@@ -51,7 +51,7 @@ from z3kit_recipes.zero3.training.layout import ShardLayout
 from z3kit_recipes.zero3.training.loss_scale import LossScaler
 from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
 from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
-from z3kit_recipes.zero3.training.offload import OffloadedStep, measure_masters
+from z3kit_recipes.zero3.training.offload import OffloadedStep
 from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
@@ -177,10 +177,7 @@ def assemble(
         for p in params:
             p.requires_grad_(False)  # nothing would consume their gradients
     memory.set(MemoryKind.PARAM_SHARDS, tensor_bytes(layout.flat))
-    if not layout.masters_are_shards:
-        on_device, on_host = measure_masters(layout)
-        memory.set(MemoryKind.FP32_MASTERS, on_device)
-        memory.set(MemoryKind.HOST_FP32_MASTERS, on_host)
+    layout.count_masters(memory)
     place_buffers(module, device, config.torch_dtype)
     for shard in layout.shards:  # full sizes under DeepSpeed's names, which Hugging Face and PEFT read
         setattr(shard.param, "ds_shape", shard.shape)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from z3kit.collectives import CollectiveLog, ProcessGroup, all_gather, broadcast
+from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
 from z3kit.shard import ParamShard, fill_partition, shard_numel_for
 
 #: parameters smaller than this are broadcast together, through one buffer of at most this many elements
@@ -65,9 +66,22 @@ class ShardLayout:
     def masters_are_shards(self) -> bool:
         return self.flat.dtype == torch.float32 and self.host_masters is None
 
+    @property
+    def offloaded(self) -> frozenset[int]:
+        """Parameters whose masters live on the host (empty: no offload)."""
+        return self.host_masters or frozenset()
+
     def master_device(self, pid: int) -> torch.device:
         """Where ``pid``'s master lives: the host when it is offloaded, else with the shards."""
-        return torch.device("cpu") if self.host_masters is not None and pid in self.host_masters else self.flat.device
+        return torch.device("cpu") if pid in self.offloaded else self.flat.device
+
+    def count_masters(self, memory: MemoryLedger) -> None:
+        """The separate masters in ``memory``, by where they live (none when the masters are the shards)."""
+        if self.masters_are_shards:
+            return
+        host, by_pid = self.offloaded, self.master_of()
+        memory.set(MemoryKind.FP32_MASTERS, storage_bytes(m for pid, m in by_pid.items() if pid not in host))
+        memory.set(MemoryKind.HOST_FP32_MASTERS, storage_bytes(m for pid, m in by_pid.items() if pid in host))
 
     def _new_master(self, pid: int, values: torch.Tensor | None) -> nn.Parameter:
         """A separate fp32 master for ``pid`` where it lives: ``values`` copied, or empty."""

@@ -74,7 +74,7 @@ class OffloadedStep(OptimizerStep):
         self.optimizer.register_load_state_dict_pre_hook(lambda _, __: self.settle())
 
     def host_masters(self) -> list[nn.Parameter]:
-        host = self.layout.host_masters or frozenset()
+        host = self.layout.offloaded
         return [m for pid, m in self.layout.master_of().items() if pid in host]
 
     def settle(self) -> None:
@@ -95,7 +95,7 @@ class OffloadedStep(OptimizerStep):
         return buffer
 
     def _landed(self, pid: int, partition: torch.Tensor) -> None:
-        if pid not in (self.layout.host_masters or frozenset()):
+        if pid not in self.layout.offloaded:
             return
         if self.final_landing():
             self._copy(pid, partition)
@@ -128,7 +128,7 @@ class OffloadedStep(OptimizerStep):
 
     # -- the step ---------------------------------------------------------------------------------
     def _step(self, grads: list[torch.Tensor | None], factor: float | torch.Tensor | None) -> None:
-        host = self.layout.host_masters or frozenset()
+        host = self.layout.offloaded
         on_host: dict[int, _Triple] = {}
         for pid, master, grad in zip(self.trainable, self.masters, grads):
             master.grad = None if pid in host else grad
@@ -159,7 +159,7 @@ class OffloadedStep(OptimizerStep):
         self.optimizer.step()
         for master in self.masters:
             master.grad = None
-        self._device_write_back(self.layout.host_masters or frozenset())
+        self._device_write_back(self.layout.offloaded)
         for master, _, shard in on_host.values():
             shard.copy_(master.detach(), non_blocking=self._module is not None)
         if self._module is not None:
@@ -185,10 +185,3 @@ class OffloadedStep(OptimizerStep):
         self.memory.set(MemoryKind.OPTIMIZER_STATE, storage_bytes(tensors(False)))
         self.memory.set(MemoryKind.HOST_OPTIMIZER_STATE, storage_bytes(tensors(True)))
 
-
-def measure_masters(layout: ShardLayout) -> tuple[int, int]:
-    """Bytes of the separate masters on the device and on the host."""
-    host = layout.host_masters or frozenset()
-    by_pid = layout.master_of()
-    return (storage_bytes(m for pid, m in by_pid.items() if pid not in host),
-            storage_bytes(m for pid, m in by_pid.items() if pid in host))

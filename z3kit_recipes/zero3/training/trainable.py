@@ -38,12 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
+from z3kit.memory import MemoryLedger
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.layout import ShardLayout
-
 
 
 class MasterShards(list[nn.Parameter]):
@@ -155,11 +154,7 @@ class TrainableWatch:
         _join(self.optimizer, groups)
         self.reducer.replan(self.layout.trainable)
         self.backward.watch_gradients(pids)
-        if not self.layout.masters_are_shards:
-            host = self.layout.host_masters or frozenset()
-            by_pid = self.layout.master_of()
-            self.memory.set(MemoryKind.FP32_MASTERS, storage_bytes(m for p, m in by_pid.items() if p not in host))
-            self.memory.set(MemoryKind.HOST_FP32_MASTERS, storage_bytes(m for p, m in by_pid.items() if p in host))
+        self.layout.count_masters(self.memory)
 
 
 def _groups_for(
