@@ -33,7 +33,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -90,9 +90,11 @@ def warm_up(modules: Iterable[str]) -> None:
     torch.optim.Adam([param]).step()
 
 
-def _train(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup, *,
-           steps: int, warmup: int, give_up_s: float | None) -> tuple[list[float], list[float], bool, list[float]]:
-    """``(timed step seconds, every step's loss, gave up, warm-up step seconds)``."""
+def train_steps(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup, *, steps: int, warmup: int,
+                give_up_s: float | None = None,
+                after_timed_step: Callable[[], None] | None = None) -> tuple[list[float], list[float], bool, list[float]]:
+    """``(timed step seconds, every step's loss, gave up, warm-up step seconds)``;
+    ``after_timed_step`` reads the runner after each timed step (outside the timing)."""
     times: list[float] = []
     warm: list[float] = []
     losses: list[float] = []
@@ -104,6 +106,8 @@ def _train(runner: Runner, wl: Workload, rank: int, group: dist.ProcessGroup, *,
         dt = time.perf_counter() - t0
         losses.append(float(loss.item()))
         (times if step >= warmup else warm).append(dt)
+        if step >= warmup and after_timed_step is not None:
+            after_timed_step()
         if give_up_s is not None and step > 0:
             slowest = torch.tensor([dt])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -162,7 +166,7 @@ def measure(spec: RunSpec, rank: int, group: dist.ProcessGroup, probe: MemoryPro
     memory["resident_after_init"] = probe.current() - baseline
 
     probe.reset_peak()
-    times, losses, gave_up, warm = _train(runner, wl, rank, group, steps=steps, warmup=warmup, give_up_s=give_up_s)
+    times, losses, gave_up, warm = train_steps(runner, wl, rank, group, steps=steps, warmup=warmup, give_up_s=give_up_s)
     memory["train_peak"] = probe.peak() - baseline
     gc.collect()
     memory["resident_after_step"] = probe.current() - baseline

@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import statistics
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch.distributed as dist
 
 from z3kit.links import LinkClass, NodeMap
 from z3kit_recipes.bench.link_count import LinkCounter
-from z3kit_recipes.bench.measure import DEVICE, warm_up
+from z3kit_recipes.bench.measure import DEVICE, train_steps, warm_up
 from z3kit_recipes.bench.mesh_spec import LayoutName, MeshRunSpec
 from z3kit_recipes.bench.rss import MemoryProbe, memory_probe
 from z3kit_recipes.bench.runners import RUNTIME_MODULES
@@ -135,19 +134,9 @@ def measure_layout(spec: MeshRunSpec, layout: LayoutName, rank: int, group: dist
     runner = build_layout(spec, layout, wl, group)
     memory = {"init_peak": probe.peak() - baseline}
     probe.reset_peak()
-    times: list[float] = []
-    losses: list[float] = []
     links: list[dict[str, int] | None] = []
-    for step in range(spec.warmup + spec.steps):
-        x, y = wl.batch(rank, step)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        loss = runner.step(x, y)
-        dt = time.perf_counter() - t0
-        losses.append(float(loss.item()))
-        if step >= spec.warmup:
-            times.append(dt)
-            links.append(engine_link_bytes(runner))
+    times, losses, _, _ = train_steps(runner, wl, rank, group, steps=spec.steps, warmup=spec.warmup,
+                                      after_timed_step=lambda: links.append(engine_link_bytes(runner)))
     memory["train_peak"] = probe.peak() - baseline
     gc.collect()
     memory["resident_after_step"] = probe.current() - baseline
