@@ -207,14 +207,13 @@ def assemble(
 
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
     reduce_streams = stream_pairs(device)
-    reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory)
 
     def final_micro_step() -> bool:
         """The backward under way ends the accumulation window (HSDP's replica stage, offload's streaming)."""
         return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
 
-    if reducer is not None and reducer.replicas is not None:
-        reducer.replicas.final_micro_step = final_micro_step
+    reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory,
+                             final_micro_step)
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
@@ -303,6 +302,7 @@ def _check_optimizer(optimizer: Any, masters: list[nn.Parameter]) -> None:
 def _build_reducer(
     layout: ShardLayout, config: Zero3Config, topology: Topology, device: torch.device, plan: MemoryPlan | None,
     watch: RankWatch, streams: StreamPairLike, log: CollectiveLog, memory: MemoryLedger,
+    final_micro_step: Callable[[], bool],
 ) -> GradReducer | None:
     if not layout.trainable:
         return None
@@ -317,6 +317,7 @@ def _build_reducer(
         # one communicator for gathers and reductions (see the Note in zero3.training.step_checks)
         group=topology.shard_group,
         replicate=topology.replicate_group,
+        final_micro_step=final_micro_step,
         waiter=watch.wait,
         streams=streams,
         log=log,

@@ -55,7 +55,7 @@ Note: what exists when.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -83,6 +83,7 @@ class GradReducer:
         *,
         group: ProcessGroup,
         replicate: ProcessGroup | None = None,
+        final_micro_step: Callable[[], bool] = lambda: True,
         waiter: Waiter,
         streams: StreamPairLike,
         log: CollectiveLog,
@@ -114,10 +115,11 @@ class GradReducer:
         self._buckets: dict[int, FlatBucket] = {}
         self._waiting: dict[int, torch.Tensor] = {}  # unbucketed gradients not reduced yet, by plan index
         self._next = 0  # plan index of the next reduction to issue
-        #: the reductions issued and not landed yet (``zero3.training.reductions``)
         #: HSDP: the all-reduce across the replicas, once per window (``zero3.training.replicas``)
-        self.replicas = None if replicate is None else ReplicaStage(replicate, streams=streams, log=log,
-                                                                     memory=memory, waiter=waiter, device=self.device)
+        self.replicas = None if replicate is None else ReplicaStage(
+            replicate, streams=streams, log=log, memory=memory, waiter=waiter, device=self.device,
+            final_micro_step=final_micro_step)
+        #: the reductions issued and not landed yet (``zero3.training.reductions``)
         self.flights = ReductionFlights(
             shards, rank=self.rank, group=group, replicas=self.replicas, waiter=waiter, streams=streams, log=log,
             memory=memory, mode=mode, scale=scale,

@@ -46,11 +46,11 @@ class ReplicaStage:
     """The all-reduce across the replicas of one ``GradReducer`` (see the Notes)."""
 
     def __init__(self, group: ProcessGroup, *, streams: StreamPairLike, log: CollectiveLog, memory: MemoryLedger,
-                 waiter: Waiter, device: torch.device) -> None:
+                 waiter: Waiter, device: torch.device, final_micro_step: Callable[[], bool]) -> None:
         self.group, self.streams, self.log, self.memory, self.waiter = group, streams, log, memory, waiter
         self.device = device
-        #: whether the backward under way ends the accumulation window (set by the engine; True: every one)
-        self.final_micro_step: Callable[[], bool] = lambda: True
+        #: whether the backward under way ends the accumulation window
+        self.final_micro_step = final_micro_step
         #: this replica's own sums of the window's backwards so far (see the Note)
         self.pending = GradWindow({}, [], device=device, memory=memory)
 
