@@ -41,6 +41,7 @@ from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained
+from z3kit_recipes.zero3.weights.model_state import ModelStateHooks
 from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
 
@@ -69,6 +70,8 @@ class Zero3Engine(EngineCore, nn.Module):
     def __init__(self, parts: EngineParts) -> None:
         nn.Module.__init__(self)
         EngineCore.__init__(self, parts)
+        #: the model's own state_dict / load_state_dict, made honest (``zero3.weights.model_state``)
+        self.model_state = ModelStateHooks(self)
 
     def __getattr__(self, name: str) -> Any:
         try:

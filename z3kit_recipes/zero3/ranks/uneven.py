@@ -77,14 +77,38 @@ class EvalMeeting:
             return  # a training forward, a checkpoint recomputation, or inside a step: the step's own checks hold
         if self._lockstep or self.watch.board is None or not self.gathers_needed():
             return
+        position = self._next_position()
+        self.step.position.eval_forward = position
+        self.watch.left_trace((self.step.micro_step, position), f"ran an eval or no_grad forward (#{self._count} "
+                                                                f"since its last backward) that the other ranks did not; "
+                                                                f"{_ADVICE}")
+
+    def _next_position(self) -> int:
+        """The next point of this micro-step where the ranks meet outside the step (eval forwards, collective calls)."""
         micro = self.step.micro_step
         if micro != self._counted_at:
             self._counted_at, self._count = micro, 0
-        position = EVAL_BASE + self._count
         self._count += 1
+        return EVAL_BASE + self._count - 1
+
+    @contextlib.contextmanager
+    def collective_call(self, what: str) -> Iterator[None]:
+        """``what``, a call outside the step that gathers collectively
+        (``model.state_dict()``), meets the other ranks first, as an eval
+        forward does: a rank that does something else instead raises, and so
+        does this one, naming both, rather than pairing gathers with it."""
+        if self.watch.board is None:
+            yield
+            return
+        position = self._next_position()
         self.step.position.eval_forward = position
-        self.watch.left_trace((micro, position), f"ran an eval or no_grad forward (#{self._count} since its last "
-                                                 f"backward) that the other ranks did not; {_ADVICE}")
+        try:
+            self.watch.left_trace((self.step.micro_step, position),
+                                  f"called {what}, which gathers parameters and so is collective: call it on every "
+                                  f"rank at the same point")
+            yield
+        finally:
+            self.step.position.eval_forward = None
 
     @contextlib.contextmanager
     def lockstep(self) -> Iterator[None]:

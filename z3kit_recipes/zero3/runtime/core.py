@@ -76,6 +76,7 @@ class EngineCore:
         self.parts.record.clear()
         self.parts.hooks.reset()
         self.coordinator.abort(ranks_broken=self.step_state.broken is not None)
+        self.parts.backward.stand_ins.clear()
         was = self.step_state.abort()
         self.watch.failed_here(what, exc, position)
         if was is Phase.BACKWARD:  # after failed_here: it tells whether every rank failed at this point
@@ -93,6 +94,7 @@ class EngineCore:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
         self.forwards.settle()  # before the check: aborting a lost forward may leave the ranks apart
         self.watch.check("backward")
+        self.parts.backward.stand_ins.clear()
         before = self.step_state.micro_step
         try:
             self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
@@ -130,6 +132,7 @@ class EngineCore:
         if self.parts.optimizer_step is not None:
             self.parts.backward.before_step()
             stepped = self.parts.optimizer_step.run()
+            self.parts.backward.stand_ins.clear()
             if stepped:
                 self.coordinator.gatherer.shards_updated()
             if stepped and self.lr_scheduler is not None:
@@ -158,11 +161,44 @@ class EngineCore:
         self.parts.timeline.arm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients accumulated since the last optimizer step
-        (``set_to_none``: accepted as ``nn.Module.zero_grad`` takes it; the
-        parameters' ``.grad`` stays None anyway)."""
-        if self.reducer is not None:
-            self.reducer.end_window()
+        """Discard the window's gradients at its boundary (its last backward
+        ran, no step was taken); inside an accumulation window keep them, as
+        DeepSpeed does, so that a loop that clears after every ``step()``
+        call accumulates (``set_to_none``: accepted as ``nn.Module.zero_grad``
+        takes it)."""
+        if self.reducer is None or not self.is_accumulation_boundary():
+            return
+        self.settle()
+        self.reducer.end_window()
+        self.parts.backward.stand_ins.clear()
+        if self.parts.optimizer_step is not None:
+            self.parts.optimizer_step.requested_clip = 0.0
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the window's gradients by their global 2-norm at this window's
+        optimizer step, as ``torch.nn.utils.clip_grad_norm_`` does under DDP
+        (collective: every rank calls it), and return that norm now, on the
+        device. With ``gradient_clipping`` set too, the smaller limit holds."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):
+            raise ValueError(f"clip_grad_norm_ needs a positive finite max_norm, got {max_norm!r}")
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_ computes the 2-norm (norm_type=2.0) only, got norm_type={norm_type!r}")
+        self.require_optimizer("clip_grad_norm_()")
+        self.forwards.settle()
+        self.watch.check("clip_grad_norm_()")
+        if self.step_state.busy:
+            raise RuntimeError("clip_grad_norm_() cannot be used inside a forward or backward")
+        if self.parts.optimizer_step is None:
+            raise RuntimeError("clip_grad_norm_() needs gradients, and this engine has no trainable parameters")
+        return self.parts.optimizer_step.request_clip(float(max_norm))
+
+    def no_sync(self) -> Any:
+        """Refused, as DeepSpeed refuses it under ZeRO-3: gradients are reduced as they arrive."""
+        raise RuntimeError(
+            "engine.no_sync() does not apply to ZeRO-3: each gradient is reduced into its rank's partition as it "
+            "arrives, so there is no reduction to skip. Accumulate with Zero3Config(gradient_accumulation_steps=k) "
+            "(or the JSON's gradient_accumulation_steps) and call engine.backward(loss) and engine.step() on every "
+            "micro-step; step() takes the optimizer step at the window's end")
 
     # -- between steps -------------------------------------------------------------------------
     def check_idle(self, what: str) -> None:

@@ -224,6 +224,8 @@ class RootForward:
         dtype = parts.config.torch_dtype
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+        if torch.is_grad_enabled():  # its backward accumulates into .grad: no stand-in may be there
+            parts.backward.stand_ins.clear()
         parts.step_state.start_forward(training=training)
         self._handled = sys.exc_info()[1]
         contexts = self._contexts = contextlib.ExitStack()

@@ -33,6 +33,7 @@ from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.step.state import Phase, StepState
 from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
+from z3kit_recipes.zero3.training.grad_stand_ins import GradStandIns
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 from z3kit_recipes.zero3.training.step_checks import StepChecks
@@ -85,6 +86,9 @@ class BackwardPass:
         self.checks = None if reducer is None else StepChecks(
             reducer, watch, agreement.device, names, global_step=lambda: step.global_step,
             defer_all=defer_reductions)
+        #: what ``param.grad`` holds between backward and step (``zero3.training.grad_stand_ins``)
+        self.stand_ins = GradStandIns([s.param for s in shards], names, trainable,
+                                      shards[0].world if shards else 1)
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
         self.watch_gradients(trainable)
 
@@ -186,3 +190,5 @@ class BackwardPass:
             self.hooks.reset()
             self.step.close_step()
         self.step.micro_step += 1
+        if self.reducer is not None and self.reducer.window_open:
+            self.stand_ins.show()

@@ -327,15 +327,20 @@ class GradReducer:
         """These parameters got a gradient on some rank in a backward of this window (agreed across ranks)."""
         self.window.mark_used(pids)
 
+    def global_norm(self) -> torch.Tensor:
+        """The 2-norm of the window's gradient over every rank, on the device
+        (collective, over the shard group only: HSDP's replicas hold the same
+        partitions once flushed, ``zero3.ranks.topology``)."""
+        squared = self.window.squared_norm().reshape(1).to(torch.float32)
+        pending = all_reduce(squared, self.group, async_op=True, log=self.log)
+        self.waiter(pending.is_completed, pending.wait)
+        return squared.sqrt()[0]
+
     def clip_(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale the partitions so the global gradient norm is at most
         ``max_norm``; returns the norm before clipping and the factor applied.
         All on the device (``z3kit.grad_partition.clip_coefficient``)."""
-        squared = self.window.squared_norm().reshape(1).to(torch.float32)
-        # over the shard group only: HSDP's replicas hold the same partitions (``zero3.ranks.topology``)
-        pending = all_reduce(squared, self.group, async_op=True, log=self.log)
-        self.waiter(pending.is_completed, pending.wait)
-        norm = squared.sqrt()[0]
+        norm = self.global_norm()
         factor = clip_coefficient(norm, max_norm)
         self.window.scale_(factor)
         return norm, factor

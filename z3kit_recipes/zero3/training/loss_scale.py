@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from z3kit.collectives import all_reduce
 from z3kit.grad_partition import clip_coefficient
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.training.grads import GradReducer
@@ -74,12 +73,9 @@ class LossScaler:
         see the Note), the unscaled global norm, and the factor finite
         gradients were multiplied by in place (unscaled, and clipped by that
         norm where ``clip > 0``)."""
-        squared = reducer.window.squared_norm().reshape(1).to(torch.float32)
         # the shard group's partitions are the whole gradient: HSDP's replicas hold the same ones, an
         # inf or nan of any rank included (it was all-reduced into every replica's partition)
-        pending = all_reduce(squared, reducer.group, async_op=True, log=reducer.log)
-        reducer.waiter(pending.is_completed, pending.wait)
-        norm = squared.sqrt()[0] / self.scale
+        norm = reducer.global_norm() / self.scale
         self.host_reads += 1
         finite = bool(torch.isfinite(norm))
         factor: float | torch.Tensor = 1.0 / self.scale

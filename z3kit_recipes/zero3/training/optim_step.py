@@ -41,6 +41,8 @@ class OptimizerStep:
         self._state_entries = 0
         #: fp16: the loss scale, which unscales, checks for overflow and may skip the step
         self.scaler = scaler
+        #: ``engine.clip_grad_norm_``'s limit for the window's step (0: none asked)
+        self.requested_clip = 0.0
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -54,18 +56,33 @@ class OptimizerStep:
         self.reducer.flush_replicas()
         self._before_scaling()
         factor: float | torch.Tensor | None = None
+        clip = min((c for c in (self.clip, self.requested_clip) if c > 0), default=0.0)  # both limits hold
+        self.requested_clip = 0.0
         if self.scaler is not None:
-            finite, self._last_norm, factor = self.scaler.unscale_and_check(self.reducer, self.clip)
+            finite, self._last_norm, factor = self.scaler.unscale_and_check(self.reducer, clip)
             self.scaler.update(overflow=not finite)
             if not finite:
                 self.reducer.end_window()
                 return False
-        elif self.clip > 0:
-            self._last_norm, factor = self.reducer.clip_(self.clip)
+        elif clip > 0:
+            self._last_norm, factor = self.reducer.clip_(clip)
         self._step(self.reducer.window.optimizer_grads(), factor)
         self.reducer.end_window()
         self._measure_if_grown()
         return True
+
+    def request_clip(self, max_norm: float) -> torch.Tensor:
+        """``engine.clip_grad_norm_``: the window's global gradient norm now
+        (unscaled; collective, on the device) and ``max_norm`` for the
+        window's step, which clips in place of the user (the step alone sees
+        every form the window takes: offloaded copies, the fp16 scale)."""
+        self.settle()
+        self.reducer.flush_replicas()
+        norm = self.reducer.global_norm()
+        if self.scaler is not None:
+            norm = norm / self.scaler.scale
+        self.requested_clip = max_norm if self.requested_clip <= 0 else min(self.requested_clip, max_norm)
+        return norm
 
     def _measure_if_grown(self) -> None:
         if len(self.optimizer.state) != self._state_entries:

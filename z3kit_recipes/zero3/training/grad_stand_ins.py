@@ -1,0 +1,60 @@
+"""What ``param.grad`` of a trainable parameter holds between backward and step.
+
+The engine hands every gradient to its reducer as it becomes ready and sets
+``param.grad`` back to None: the accumulated gradient lives as this rank's
+1/N partition (``zero3.training.grad_window``). A ``param.grad`` left at
+None would tell a user's ``torch.nn.utils.clip_grad_norm_`` that there is
+nothing to clip (it returns 0 and clips nothing), and a gradient logger
+that every norm is 0. So after each backward that left the window open,
+every trainable parameter's ``.grad`` is a ``Withheld`` stand-in
+(``z3kit.withheld``), which raises on any read, naming what computes the
+right global answer (``engine.clip_grad_norm_``, ``gradient_clipping``).
+They are taken away before anything could accumulate into them: at the
+start of the next training forward or backward, and when the window ends
+(the optimizer step, or ``zero_grad`` discarding it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from z3kit.withheld import Withheld, withheld_like
+
+
+def _reason(name: str, world: int) -> str:
+    return (
+        f"the gradient of {name!r} is sharded: between backward and step each rank holds its 1/{world} "
+        "partition of the accumulated sum, not a full .grad. Clip with engine.clip_grad_norm_(max_norm) (or "
+        "Zero3Config(gradient_clipping=...) / the JSON's gradient_clipping), which clips by the global norm as "
+        "DDP's torch.nn.utils.clip_grad_norm_ does and returns it; engine.last_grad_norm is the last step's norm"
+    )
+
+
+class GradStandIns:
+    """``Withheld`` stand-ins in the trainable parameters' ``.grad`` (see the module docstring)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], trainable: Sequence[int],
+                 world: int) -> None:
+        #: every managed parameter, by id; ``trainable`` is the layout's live list (unfreezing extends it)
+        self.params, self.names, self.trainable, self.world = params, names, trainable, world
+        self.shown = False
+
+    def show(self) -> None:
+        """After a backward: a stand-in in each trainable parameter's empty ``.grad``."""
+        for pid in self.trainable:
+            param = self.params[pid]
+            if param.grad is None:
+                param.grad = withheld_like(param, _reason(self.names[pid], self.world))
+        self.shown = True
+
+    def clear(self) -> None:
+        """Before anything accumulates into ``.grad`` again, or when the window ends."""
+        if not self.shown:
+            return
+        for pid in self.trainable:
+            param = self.params[pid]
+            if isinstance(param.grad, Withheld):
+                param.grad = None
+        self.shown = False

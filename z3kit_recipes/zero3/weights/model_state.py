@@ -1,0 +1,217 @@
+"""The model's own ``state_dict()`` and ``load_state_dict()``, made honest.
+
+Between uses a sharded parameter is an empty placeholder, and
+``nn.Module.state_dict`` would hand out its ``(0,)`` tensor as the value:
+``torch.save(model.state_dict())``, Hugging Face's ``save_pretrained`` and
+PEFT's adapter saves would write empty weights without a word. After
+``initialize`` every module of the model carries torch's public state-dict
+hooks, so that what those calls see is right or refuses.
+
+Note: what ``model.state_dict()`` holds.
+    - A trainable parameter: its full values, gathered one module at a
+      time (collective: every rank calls it, and the ranks meet first on
+      the notice board, as eval forwards do, so that a rank that calls it
+      alone gets an error naming what the others did, never gathers paired
+      with theirs), copied to CPU in the compute dtype. Tied names share one
+      copy, as they share one parameter.
+    - A frozen parameter: a ``Withheld`` tensor (``z3kit.withheld``) that
+      refuses every read, naming ``engine.full_state_dict()`` and
+      ``engine.save_pretrained``. Frozen weights are the base model the
+      user already has; gathering them on every call would cost a whole
+      model per rank, where PEFT only wants its adapter: PEFT's
+      ``get_peft_model_state_dict`` reads only the adapter's entries, so it
+      works and gathers only the adapter.
+    - Buffers: as they are (never sharded).
+    - ``keep_vars=True`` asks for the parameters themselves (identities, as
+      Hugging Face uses it): they are returned as they are, not gathered.
+
+Note: what ``model.load_state_dict()`` does.
+    The outermost module's pre-hook takes every managed parameter's entry
+    out of the state dict, checks all of them (full shape), has the ranks
+    agree that they load the same values (a digest each; a rank that loads
+    alone, or other values, is refused on every rank before anything is
+    written), writes each into this rank's shard and fp32 master, and then
+    tells the engine the shards changed. The entries it took are not
+    reported missing. A refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from z3kit.withheld import Withheld
+from z3kit_recipes.zero3.runtime.core import EngineCore
+from z3kit_recipes.zero3.weights.together import Together
+
+
+def _frozen_reason(name: str) -> str:
+    return (f"model.state_dict() does not gather the frozen parameter {name!r} (a frozen base stays sharded; "
+            "trainable parameters and buffers are gathered): for every weight call engine.full_state_dict() or "
+            "engine.save_pretrained(path) on every rank")
+
+
+class ModelStateHooks:
+    """``state_dict`` and ``load_state_dict`` hooks on every module of the engine's model (see the Notes)."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self._index = {id(s.param): pid for pid, s in enumerate(engine.shards)}
+        self._module_names = {id(m): n for n, m in engine.module.named_modules(remove_duplicate=False)}
+        self._saving = 0  # depth of the state_dict call under way
+        self._keep_vars = False
+        self._pinned: list[list[int]] = []
+        #: the meeting of the outermost state_dict call, left when it ends
+        self._meeting = contextlib.ExitStack()
+        self._copies: dict[int, torch.Tensor] = {}  # one per parameter and call: tied names share it
+        self._loading = 0
+        self._taken: set[str] = set()
+        self.handles: list[Any] = []
+        def after_save(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self._after_save(module, state_dict, prefix, local_metadata)  # a function: torch marks it
+
+        for module in engine.module.modules():
+            self.handles += [
+                module.register_state_dict_pre_hook(self._before_save),
+                module.register_state_dict_post_hook(after_save),
+                module.register_load_state_dict_pre_hook(self._before_load),
+                module.register_load_state_dict_post_hook(self._after_load),
+            ]
+
+    def _own(self, module: nn.Module) -> Iterator[tuple[str, int]]:
+        """``module``'s own managed parameters: (name, id)."""
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            pid = self._index.get(id(p))
+            if pid is not None:
+                yield name, pid
+
+    def _what(self, module: nn.Module, call: str) -> str:
+        name = self._module_names.get(id(module), "")
+        return f"{name or 'model'}.{call}"
+
+    # -- state_dict ----------------------------------------------------------------------------------
+    def _before_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        outermost = self._saving == 0
+        if outermost:
+            self._keep_vars = keep_vars
+        self._saving += 1
+        if self._keep_vars:
+            return
+        try:
+            if outermost:
+                self.engine.check_idle("model.state_dict()")
+                self._copies = {}
+                self._enter_meeting(self._what(module, "state_dict()"))
+            trainable = set(self.engine.trainable)
+            pids = sorted({pid for _, pid in self._own(module) if pid in trainable})
+            self.engine.coordinator.pin(pids)
+        except BaseException:  # no post-hook will run for this call: undo all of it
+            for pinned in self._pinned:
+                self.engine.coordinator.unpin(pinned)
+            self._pinned, self._saving, self._copies = [], 0, {}
+            self._leave_meeting()
+            raise
+        self._pinned.append(pids)
+
+    def _after_save(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        self._saving -= 1
+        if self._keep_vars:
+            return
+        pids = self._pinned.pop()
+        try:
+            trainable = set(self.engine.trainable)
+            for name, pid in self._own(module):
+                key = prefix + name
+                if key not in state_dict:
+                    continue
+                if pid in trainable:
+                    if pid not in self._copies:
+                        self._copies[pid] = self.engine.shards[pid].param.detach().to("cpu", copy=True)
+                    state_dict[key] = self._copies[pid]
+                else:
+                    shard = self.engine.shards[pid]
+                    state_dict[key] = Withheld(tuple(shard.shape), shard.param.dtype, torch.device("cpu"),
+                                               _frozen_reason(key))
+        finally:
+            self.engine.coordinator.unpin(pids)
+            if self._saving == 0:
+                self._copies = {}
+                self._leave_meeting()
+
+    def _enter_meeting(self, what: str) -> None:
+        self._meeting.enter_context(self.engine.parts.meeting.collective_call(what))
+
+    def _leave_meeting(self) -> None:
+        self._meeting.close()
+
+    # -- load_state_dict -----------------------------------------------------------------------------
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                     strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                     error_msgs: list[str]) -> None:
+        self._loading += 1
+        if self._loading > 1:
+            return  # the outermost call took every entry of the subtree
+        self._taken = set()
+        try:
+            self._load_subtree(module, state_dict, prefix)
+        except BaseException:
+            self._loading = 0
+            raise
+
+    def _load_subtree(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        engine = self.engine
+        engine.check_idle("model.load_state_dict()")
+        entries: dict[str, tuple[int, Any]] = {}
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            pid = self._index.get(id(p))
+            if pid is not None and name in state_dict:
+                entries[name] = (pid, state_dict[name])
+        with engine.parts.meeting.collective_call(self._what(module, "load_state_dict()")):
+            together = Together.of(engine)
+            fulls = together.agreed("model.load_state_dict()", lambda: self._checked(entries))
+            digests = together.exchange(_digest(fulls))
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            if differ:
+                raise ValueError(
+                    f"model.load_state_dict() got other values on rank(s) {differ} than on rank 0: every rank must "
+                    "load the same state dict (each rank writes its own shard from it); nothing was loaded")
+            engine.shards_changed()
+            engine.layout.fill(list(fulls), [f.to(engine.device) for f in fulls.values()])
+        for key in entries:
+            del state_dict[key]
+        self._taken = set(entries)
+
+    def _checked(self, entries: dict[str, tuple[int, Any]]) -> dict[int, torch.Tensor]:
+        """Each parameter's flat full values in its dtype (the first of its names), or the errors of all."""
+        fulls: dict[int, torch.Tensor] = {}
+        errors = []
+        for key, (pid, value) in entries.items():
+            shard = self.engine.shards[pid]
+            if not isinstance(value, torch.Tensor) or isinstance(value, Withheld):
+                errors.append(f"{key}: not a tensor with values ({type(value).__name__})")
+            elif tuple(value.shape) != tuple(shard.shape):
+                errors.append(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shard.shape)} in the model")
+            elif pid not in fulls:
+                fulls[pid] = value.detach().reshape(-1).to(shard.param.dtype)
+        if errors:
+            raise ValueError("model.load_state_dict() refused, nothing was loaded: " + "; ".join(errors))
+        return fulls
+
+    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
+        self._loading -= 1
+        if self._loading == 0 and self._taken:
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._taken]
+            self._taken = set()
+
+
+def _digest(fulls: dict[int, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for pid, full in sorted(fulls.items()):
+        h.update(pid.to_bytes(8, "little"))
+        h.update(full.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
