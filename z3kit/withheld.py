@@ -51,7 +51,7 @@ class Withheld(torch.Tensor):
         out.reason = reason
         return out
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"Withheld({self.reason})"
 
     @classmethod
