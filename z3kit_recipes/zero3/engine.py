@@ -60,11 +60,15 @@ class Zero3Engine(EngineCore, nn.Module):
         own is ``zero3_config``). Between uses a parameter holds no values
         (its shape is ``(0,)``); its full shape and size are
         ``param.ds_shape`` and ``param.ds_numel``, DeepSpeed's names, which
-        Hugging Face reads. Whatever would hand out those empty values as if
-        they were the model's refuses, naming what to use instead:
-        ``state_dict``/``load_state_dict`` (``full_state_dict``,
-        ``save_checkpoint``, ``load_pretrained``), and ``to``/``half``-style
-        moves (the shards stay where ``initialize`` put them).
+        Hugging Face reads. What torch, Hugging Face and PEFT read through
+        the model is right or refuses: the model's own ``state_dict()`` and
+        ``load_state_dict()`` gather into and write from the shards
+        (``zero3.weights.model_state``), and a parameter's ``.grad`` between
+        backward and step refuses to be read (``zero3.training.grad_stand_ins``;
+        ``clip_grad_norm_`` here clips by the global norm). The engine's own
+        ``state_dict``/``load_state_dict`` refuse, naming what to use
+        (``full_state_dict``, ``save_checkpoint``, ``load_pretrained``), as do
+        ``to``/``half``-style moves (the shards stay where ``initialize`` put them).
     """
 
     def __init__(self, parts: EngineParts) -> None:
@@ -87,8 +91,8 @@ class Zero3Engine(EngineCore, nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "engine.state_dict() would hold the parameters' empty placeholders, not their values: use "
-            "engine.full_state_dict() (collective; every rank calls it), engine.save_pretrained(path) or "
-            "engine.save_checkpoint(path)"
+            "engine.full_state_dict() (collective; every rank calls it), engine.module.state_dict() (the model's, "
+            "gathered; frozen parameters withheld), engine.save_pretrained(path) or engine.save_checkpoint(path)"
         )
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:

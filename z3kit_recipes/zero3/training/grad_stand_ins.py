@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from z3kit.withheld import Withheld, withheld_like
@@ -40,13 +41,19 @@ class GradStandIns:
         #: every managed parameter, by id; ``trainable`` is the layout's live list (unfreezing extends it)
         self.params, self.names, self.trainable, self.world = params, names, trainable, world
         self.shown = False
+        #: each parameter's stand-in, made once for the shape it has between uses
+        self._made: dict[int, tuple[torch.Size, Withheld]] = {}
 
     def show(self) -> None:
         """After a backward: a stand-in in each trainable parameter's empty ``.grad``."""
         for pid in self.trainable:
             param = self.params[pid]
             if param.grad is None:
-                param.grad = withheld_like(param, _reason(self.names[pid], self.world))
+                shape, stand_in = self._made.get(pid, (None, None))
+                if stand_in is None or shape != param.shape:
+                    stand_in = withheld_like(param, _reason(self.names[pid], self.world))
+                    self._made[pid] = param.shape, stand_in
+                param.grad = stand_in
         self.shown = True
 
     def clear(self) -> None:

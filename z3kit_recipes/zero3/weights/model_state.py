@@ -192,8 +192,11 @@ class ModelStateHooks:
         errors = []
         for key, (pid, value) in entries.items():
             shard = self.engine.shards[pid]
-            if not isinstance(value, torch.Tensor) or isinstance(value, Withheld):
-                errors.append(f"{key}: not a tensor with values ({type(value).__name__})")
+            if isinstance(value, Withheld):
+                errors.append(f"{key}: a withheld entry (a frozen parameter of a model.state_dict()); load full "
+                              "values (engine.full_state_dict()), or leave it out and pass strict=False")
+            elif not isinstance(value, torch.Tensor):
+                errors.append(f"{key}: not a tensor ({type(value).__name__})")
             elif tuple(value.shape) != tuple(shard.shape):
                 errors.append(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(shard.shape)} in the model")
             elif pid not in fulls:
