@@ -19,21 +19,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import attrs
 
 from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.train.defaults import MODEL_SIZES
 from z3kit_recipes.zero3.config.auto import auto_sizes, resolve_auto
 from z3kit_recipes.zero3.config.config import Zero3Config
-
-#: (width, layers, heads, seq_len) of each ``--model-size``
-MODEL_SIZES: Final[dict[str, tuple[int, int, int, int]]] = {
-    "tiny": (32, 2, 2, 32),
-    "small": (96, 4, 4, 64),
-    "medium": (256, 6, 8, 128),
-}
-DEFAULT_MODEL_SIZE: Final = "small"
 
 
 def gpt_config(
