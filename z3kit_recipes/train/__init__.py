@@ -26,7 +26,11 @@ policies and AdamW on the fp32 master shards (linear warm-up, cosine decay
 to a tenth of ``--lr``). Without ``--config`` the runtime's size knobs are
 scaled to the model (``"auto"``, see :mod:`z3kit_recipes.zero3.config.auto`);
 ``--config`` takes a DeepSpeed JSON or a z3kit JSON (see
-:mod:`z3kit_recipes.train.config`).
+:mod:`z3kit_recipes.train.config`): Hugging Face's documented ZeRO-3 JSON
+runs unedited, its ``"auto"`` values filled from the job's options, its
+numbers, optimizer and scheduler in place of the job's defaults, and a
+number that contradicts an option given refused before anything starts
+(:mod:`z3kit_recipes.train.job_values`).
 
 Rank 0 shows a progress bar (loss, steps/s, tokens/s) and at the end prints
 a summary: loss at the start and end; per rank, the engine's memory by kind
@@ -55,6 +59,8 @@ process starts, a run whose options differ from the saved one's, and at
 the same world size its losses equal an uninterrupted run's bit for bit;
 ``--export`` writes the trained weights as a Hugging Face GPT-2 folder that
 ``AutoModelForCausalLM.from_pretrained`` loads (:mod:`~z3kit_recipes.train.hf_export`),
+with the vocabulary as its tokenizer (``pipeline("text-generation")`` loads
+the folder and writes text; :mod:`~z3kit_recipes.train.tokenizer`),
 and ``--init-from`` starts a new run from such weights.
 
 tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
