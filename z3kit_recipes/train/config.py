@@ -10,7 +10,9 @@ no sharding to watch. ``--config`` takes either a DeepSpeed JSON (it has a
 z3kit JSON (``Zero3Config`` keyword arguments; ``{}`` is the defaults,
 DeepSpeed's but for ``gradient_clipping``). In both, ``"auto"`` on a size
 knob takes the model's value, exactly as ``Zero3Config.from_deepspeed(...,
-hidden_size=width)`` gives it; ``"auto"`` anywhere else is refused.
+hidden_size=width)`` gives it; :func:`load_config` refuses ``"auto"``
+anywhere else. The command reads a DeepSpeed JSON through
+``train.job_values`` instead, which fills those from the job's options.
 """
 
 from __future__ import annotations
