@@ -189,6 +189,47 @@ def test_main_job_exports_for_transformers_and_ends_without_warnings(tmp_path: P
     want = ours.generate(prompt, 12, temperature=0)
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)
 
+    # the vocabulary is in the folder, committed with the weights, and reads back as text
+    manifest = json.loads((export / "z3kit_manifest.json").read_text())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
+    from z3kit_recipes.train.corpus import CharVocab, load_corpus
+
+    corpus = load_corpus(50_000)
+    vocab = CharVocab.from_text(corpus.text)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    assert len(tokenizer) == len(vocab) == model.config.vocab_size
+    sample = corpus.text[20_000:22_000]
+    assert "\n" in sample and "    " in sample
+    ids = tokenizer.encode(sample)
+    assert ids == vocab.encode(sample).tolist()  # the ids the model trained on
+    assert tokenizer.decode(ids) == sample
+    text_prompt = "    def __init__(self"
+    generator = transformers.pipeline("text-generation", model=str(export))
+    generated = generator(text_prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    greedy = ours.generate(vocab.encode(text_prompt)[None], 12, temperature=0)[0]
+    assert generated == vocab.decode(greedy)  # the prompt and 12 characters, as the project's GPT writes them
+    assert generated.startswith(text_prompt) and len(generated) == len(text_prompt) + 12
+
+
+def test_the_tokenizer_is_the_character_vocabulary() -> None:
+    """Every character of the corpus, spaces and newlines included: the
+    vocabulary's ids, and back to the same text; a character outside it is refused."""
+    from z3kit_recipes.train.corpus import CharVocab, load_corpus
+    from z3kit_recipes.train.tokenizer import char_tokenizer
+
+    text = load_corpus(200_000).text
+    vocab = CharVocab.from_text(text)
+    tokenizer = char_tokenizer(vocab, max_length=64)
+    ids = tokenizer.encode(text)
+    assert ids == vocab.encode(text).tolist()
+    assert tokenizer.decode(ids) == text
+    edges = "  \n\n x = 1  \n"
+    assert set(edges) <= set(vocab.chars) and tokenizer.decode(tokenizer.encode(edges)) == edges
+    assert tokenizer.convert_ids_to_tokens(vocab.encode("ab").tolist()) == ["a", "b"]
+    outside = next(chr(c) for c in range(0x4E00, 0x9FFF) if chr(c) not in vocab.chars)
+    with pytest.raises(Exception, match="UNK"):
+        tokenizer.encode(f"a{outside}b")
+
 
 def run_refused_saves(ctx: Any, out: str) -> list[str]:
     from tests.errors import error_of
@@ -232,3 +273,5 @@ def test_an_export_layout_refuses_two_tensors_under_one_name() -> None:
         ExportLayout({"a": "x", "b": "x"})
     with pytest.raises(ValueError, match="transposed names tensors that names does not: c"):
         ExportLayout({"a": "x"}, {"c"})
+    with pytest.raises(ValueError, match="not a plain file name of its own: '../t.json', 'config.json', 'w.safetensors'"):
+        ExportLayout({"a": "x"}, files={"config.json": "{}", "w.safetensors": "", "../t.json": "", "ok.json": ""})

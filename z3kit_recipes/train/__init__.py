@@ -26,7 +26,11 @@ policies and AdamW on the fp32 master shards (linear warm-up, cosine decay
 to a tenth of ``--lr``). Without ``--config`` the runtime's size knobs are
 scaled to the model (``"auto"``, see :mod:`z3kit_recipes.zero3.config.auto`);
 ``--config`` takes a DeepSpeed JSON or a z3kit JSON (see
-:mod:`z3kit_recipes.train.config`).
+:mod:`z3kit_recipes.train.config`): Hugging Face's documented ZeRO-3 JSON
+runs unedited, its ``"auto"`` values filled from the job's options, its
+numbers, optimizer and scheduler in place of the job's defaults, and a
+number that contradicts an option given refused before anything starts
+(:mod:`z3kit_recipes.train.job_values`).
 
 Rank 0 shows a progress bar (loss, steps/s, tokens/s) and at the end prints
 a summary: loss at the start and end; per rank, the engine's memory by kind
@@ -55,12 +59,16 @@ process starts, a run whose options differ from the saved one's, and at
 the same world size its losses equal an uninterrupted run's bit for bit;
 ``--export`` writes the trained weights as a Hugging Face GPT-2 folder that
 ``AutoModelForCausalLM.from_pretrained`` loads (:mod:`~z3kit_recipes.train.hf_export`),
+with the vocabulary as its tokenizer (``pipeline("text-generation")`` loads
+the folder and writes text; :mod:`~z3kit_recipes.train.tokenizer`),
 and ``--init-from`` starts a new run from such weights.
 
 tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
 
-Modules, in the order a run meets them: ``cli`` (options, ``main``),
-``config`` (model sizes, ``Zero3Config``), ``corpus`` (text, vocabulary,
+Modules, in the order a run meets them: ``defaults`` (the job's defaults),
+``options`` (the options; neither imports anything heavy), ``cli``
+(``main``), ``config`` (model sizes, ``Zero3Config``), ``job_values``
+(the options and a ``--config`` JSON settled), ``corpus`` (text, vocabulary,
 batches), ``spec`` (``RunSpec``, what every rank gets), ``launch`` (spawn or
 torchrun, the process group), ``job`` (one rank, corpus to summary),
 ``loop`` (the training steps), ``checkpointing`` (``--save-every``,
@@ -68,48 +76,58 @@ torchrun, the process group), ``job`` (one rank, corpus to summary),
 layout of the last two), ``profile`` (``--profile``), ``sample`` (text
 from the trained model), ``memory`` and ``report`` (the summary as records),
 ``render`` (as text), ``plots`` (``--plot``), ``outputs`` (the folder,
-``loss_history.csv``), ``extras`` (the ``cli`` extra's imports).
+``loss_history.csv``), ``extras`` (the ``cli`` extra's imports),
+``tokenizer`` (the vocabulary as a Hugging Face tokenizer, for ``--export``).
+
+The names below are imported when first used (``__getattr__``): importing
+the package, as ``python -m z3kit_recipes.train`` does before it parses
+the options, imports nothing heavy.
 """
 
+import importlib
 import sys
+from typing import TYPE_CHECKING, Any
 
 from z3kit_recipes.launch import use_bytecode_cache
 
 # ``python -m z3kit_recipes.train`` imports this package (with sys.argv[0]
 # "-m" while it locates the command) before it runs ``__main__``: cache
-# bytecode before the imports below bring in torch (see use_bytecode_cache).
+# bytecode before anything brings in torch (see use_bytecode_cache).
 # Spawned ranks get the cache through PYTHONPYCACHEPREFIX instead.
 if sys.argv[:1] == ["-m"]:
     use_bytecode_cache()
 
-from z3kit_recipes.train.cli import (  # noqa: E402
-    DEFAULT_LR,
-    DEFAULT_PROMPT,
-    DEFAULT_STEPS,
-    build_parser,
-    main,
-    model_config_from_args,
-    parse_args,
-)
-from z3kit_recipes.train.config import (  # noqa: E402
-    MODEL_SIZES,
-    config_from_dict,
-    gpt_config,
-    load_config,
-)
-from z3kit_recipes.train.corpus import (  # noqa: E402
-    CharVocab,
-    Corpus,
-    corpus_files,
-    load_corpus,
-    sample_batch,
-    stdlib_root,
-)
-from z3kit_recipes.train.loop import lr_at  # noqa: E402
-from z3kit_recipes.train.profile import PROFILE_STEPS, profile_window  # noqa: E402
-from z3kit_recipes.train.render import render_summary  # noqa: E402
-from z3kit_recipes.train.report import Summary  # noqa: E402
-from z3kit_recipes.train.spec import RunSpec  # noqa: E402
+#: each public name and the module that defines it
+_HOMES = {
+    "DEFAULT_LR": "defaults", "DEFAULT_PROMPT": "defaults", "DEFAULT_STEPS": "defaults",
+    "MODEL_SIZES": "defaults", "PROFILE_STEPS": "defaults",
+    "build_parser": "options", "parse_args": "options", "main": "cli", "model_config_from_args": "cli",
+    "config_from_dict": "config", "gpt_config": "config", "load_config": "config",
+    "CharVocab": "corpus", "Corpus": "corpus", "corpus_files": "corpus", "load_corpus": "corpus",
+    "sample_batch": "corpus", "stdlib_root": "corpus",
+    "lr_at": "loop", "profile_window": "profile", "render_summary": "render", "Summary": "report",
+    "RunSpec": "spec",
+}  # fmt: skip
+
+if TYPE_CHECKING:
+    from z3kit_recipes.train.cli import main, model_config_from_args
+    from z3kit_recipes.train.config import config_from_dict, gpt_config, load_config
+    from z3kit_recipes.train.corpus import CharVocab, Corpus, corpus_files, load_corpus, sample_batch, stdlib_root
+    from z3kit_recipes.train.defaults import DEFAULT_LR, DEFAULT_PROMPT, DEFAULT_STEPS, MODEL_SIZES, PROFILE_STEPS
+    from z3kit_recipes.train.loop import lr_at
+    from z3kit_recipes.train.options import build_parser, parse_args
+    from z3kit_recipes.train.profile import profile_window
+    from z3kit_recipes.train.render import render_summary
+    from z3kit_recipes.train.report import Summary
+    from z3kit_recipes.train.spec import RunSpec
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "DEFAULT_LR",

@@ -89,7 +89,10 @@ def client_state(
     return {
         "version": CLIENT_STATE_VERSION,
         "next_step": next_step,
-        "schedule": {"kind": "linear warm-up, cosine decay to lr / 10", "steps": schedule_steps, "peak_lr": spec.lr},
+        # a --config JSON's scheduler keeps its own state in the engine's part of the checkpoint
+        "schedule": {"kind": "linear warm-up, cosine decay to lr / 10" if spec.config.lr_scheduler is None
+                     else f"the --config JSON's {spec.config.lr_scheduler.type}",
+                     "steps": schedule_steps, "peak_lr": spec.lr},
         "loss_table": loss_table,
         "lrs": list(lrs),
         "world": len(loss_table),
@@ -242,7 +245,7 @@ class Checkpointer:
             said.append(self.save(len(losses), losses, lrs))
         if self.spec.export is not None:
             started = time.perf_counter()
-            hf_export.export(self.engine, self.spec.export, self.spec.model)
+            hf_export.export(self.engine, self.spec.export, self.spec.model, self.spec.export_files)
             self.export_s = time.perf_counter() - started
             said.append(f"exported the weights to {self.spec.export} in {self.export_s:.1f} s")
         return said

@@ -10,7 +10,9 @@ no sharding to watch. ``--config`` takes either a DeepSpeed JSON (it has a
 z3kit JSON (``Zero3Config`` keyword arguments; ``{}`` is the defaults,
 DeepSpeed's but for ``gradient_clipping``). In both, ``"auto"`` on a size
 knob takes the model's value, exactly as ``Zero3Config.from_deepspeed(...,
-hidden_size=width)`` gives it; ``"auto"`` anywhere else is refused.
+hidden_size=width)`` gives it; :func:`load_config` refuses ``"auto"``
+anywhere else. The command reads a DeepSpeed JSON through
+``train.job_values`` instead, which fills those from the job's options.
 """
 
 from __future__ import annotations
@@ -19,21 +21,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import attrs
 
 from z3kit_recipes.models import GPTConfig
+from z3kit_recipes.train.defaults import MODEL_SIZES
 from z3kit_recipes.zero3.config.auto import auto_sizes, resolve_auto
 from z3kit_recipes.zero3.config.config import Zero3Config
-
-#: (width, layers, heads, seq_len) of each ``--model-size``
-MODEL_SIZES: Final[dict[str, tuple[int, int, int, int]]] = {
-    "tiny": (32, 2, 2, 32),
-    "small": (96, 4, 4, 64),
-    "medium": (256, 6, 8, 128),
-}
-DEFAULT_MODEL_SIZE: Final = "small"
 
 
 def gpt_config(

@@ -17,7 +17,7 @@ from typing import Final
 import attrs
 import torch
 
-DEFAULT_CORPUS_CHARS: Final = 2_000_000
+from z3kit_recipes.train.defaults import DEFAULT_CORPUS_CHARS
 
 #: directories of the standard library left out of the corpus: installed
 #: packages (they differ between machines) and test suites (odd encodings,

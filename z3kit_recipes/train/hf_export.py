@@ -2,7 +2,9 @@
 GPT is exact as ``GPT2LMHeadModel`` (``models.gpt_hf`` says why), so the
 export is a folder ``AutoModelForCausalLM.from_pretrained`` loads:
 ``config.json``, ``generation_config.json`` and ``model.safetensors`` under
-GPT-2's names, beside the z3kit manifest that lets a later ``--export``
+GPT-2's names, the vocabulary's ``tokenizer.json`` and
+``tokenizer_config.json`` (``train.tokenizer``: ``AutoTokenizer`` and
+``pipeline("text-generation")`` load the folder), beside the z3kit manifest that lets a later ``--export``
 replace it. ``--init-from`` reads such a folder back into the shards, and
 also an export written before the job used GPT-2's names (the GPT's own).
 """
@@ -10,6 +12,7 @@ also an export written before the job used GPT-2's names (the GPT's own).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from z3kit_recipes import zero3
@@ -20,14 +23,16 @@ from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 from z3kit_recipes.zero3.weights.hf_config import CONFIG_FILE
 
 
-def gpt2_layout(model: GPTConfig) -> ExportLayout:
-    """The GPT of ``model``'s shape, stored as GPT-2."""
-    return ExportLayout(gpt2_names(model), gpt2_transposed(model), gpt2_config(model), gpt2_generation_config())
+def gpt2_layout(model: GPTConfig, files: Iterable[tuple[str, str]] = ()) -> ExportLayout:
+    """The GPT of ``model``'s shape, stored as GPT-2, with ``files`` (name, text) beside it."""
+    return ExportLayout(gpt2_names(model), gpt2_transposed(model), gpt2_config(model), gpt2_generation_config(),
+                        files=files)
 
 
-def export(engine: zero3.Zero3Engine, path: str, model: GPTConfig) -> None:
-    """``--export``: the full weights as a GPT-2 folder (collective)."""
-    pretrained.save_pretrained(engine, path, layout=gpt2_layout(model))
+def export(engine: zero3.Zero3Engine, path: str, model: GPTConfig, files: Iterable[tuple[str, str]] = ()) -> None:
+    """``--export``: the full weights as a GPT-2 folder (collective), with
+    ``files`` (the vocabulary's tokenizer, ``train.tokenizer``) beside them."""
+    pretrained.save_pretrained(engine, path, layout=gpt2_layout(model, files))
 
 
 def stored_model_type(path: str) -> str | None:

@@ -17,6 +17,7 @@ from z3kit_recipes.models import GPT
 from z3kit_recipes.train import checkpointing
 from z3kit_recipes.train.checkpointing import CheckpointFigures, Checkpointer
 from z3kit_recipes.train.corpus import CharVocab, Corpus, load_corpus
+from z3kit_recipes.train.defaults import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY
 from z3kit_recipes.train.loop import LoopResult, LoopStart, train_steps
 from z3kit_recipes.train.memory import MemoryFigures, RankMemory, Replica, peak_rss_bytes
 from z3kit_recipes.train.outputs import shared_out_dir, write_history
@@ -69,9 +70,10 @@ def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: flo
 
     torch.manual_seed(spec.seed)
     lr = spec.lr
-    engine = zero3.initialize(
-        GPT(spec.model), lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95)), spec.config
-    )
+    # the --config JSON's optimizer section, when it has one, is the optimizer (initialize builds it)
+    factory = None if spec.config.optimizer is not None else (
+        lambda params: torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY))
+    engine = zero3.initialize(GPT(spec.model), factory, spec.config)
     said: list[str] = []
     start, resumed_world = LoopStart(), None
     if spec.init_from is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from z3kit_recipes import zero3
 from z3kit_recipes.train.corpus import sample_batch
+from z3kit_recipes.train.defaults import warmup_steps
 from z3kit_recipes.train.extras import optional_module
 from z3kit_recipes.train.profile import profile_window, start_profiler, stop_profiler
 from z3kit_recipes.train.spec import RunSpec
@@ -25,7 +26,7 @@ from z3kit_recipes.train.spec import RunSpec
 def lr_at(step: int, steps: int, peak: float) -> float:
     """Linear warm-up over the first 5% of steps (at most 20), then cosine
     decay to a tenth of ``peak``."""
-    warmup = min(20, max(1, steps // 20))
+    warmup = warmup_steps(steps)
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -143,9 +144,13 @@ def train_steps(
     try:
         for step in range(start.step, spec.steps):
             t0 = time.perf_counter()
-            step_lr = lr_at(step, schedule_steps, spec.lr)
-            for group in engine.require_optimizer("training").param_groups:
-                group["lr"] = step_lr
+            groups = engine.require_optimizer("training").param_groups
+            if engine.lr_scheduler is None:
+                step_lr = lr_at(step, schedule_steps, spec.lr)
+                for group in groups:
+                    group["lr"] = step_lr
+            else:  # the --config JSON's scheduler set it, after the last step
+                step_lr = float(groups[0]["lr"])
             total = 0.0
             for micro in range(gas):
                 x, y = sample_batch(

@@ -13,8 +13,7 @@ from typing import Final
 
 import torch
 
-#: steps recorded by --profile
-PROFILE_STEPS: Final = 3
+from z3kit_recipes.train.defaults import PROFILE_STEPS
 
 #: label prefixes of the engine's profiler ranges
 TRACE_LABELS: Final = ("z3kit.fetch", "z3kit.release", "z3kit.prefetch", "z3kit.reduce_bucket")

@@ -111,6 +111,19 @@ def render_memory(mem: MemoryFigures) -> list[str]:
     return lines
 
 
+def _optimizer(spec: RunSpec) -> str:
+    """The optimizer and its schedule: the job's, or the --config JSON's sections."""
+    c = spec.config
+    if c.optimizer is None:
+        said = f"AdamW lr {spec.lr:g}"
+    else:
+        said = f"{'AdamW' if c.optimizer.adamw else 'Adam'} lr {spec.lr:g} (--config's optimizer, weight decay " \
+            f"{c.optimizer.weight_decay:g})"
+    if c.lr_scheduler is None:
+        return f"{said}, warm-up then cosine decay"
+    return f"{said}, --config's {c.lr_scheduler.type} schedule"
+
+
 def render_header(
     spec: RunSpec, corpus: Corpus, vocab: CharVocab, stats: Zero3Stats, world: int, info: DeviceInfo, out: str
 ) -> str:
@@ -129,7 +142,7 @@ def render_header(
         f"model: GPT {m.n_layer} layers, width {m.width}, {m.n_head} heads, seq {m.seq_len}: "
         f"{stats.model_numel:,} parameters\n"
         f"run: {world} ranks ({info.backend} on {info.device.type}), {spec.steps} steps of "
-        f"{spec.batch_size} x {m.seq_len} tokens per rank, AdamW lr {spec.lr:g}, {c.compute_dtype}\n"
+        f"{spec.batch_size} x {m.seq_len} tokens per rank, {_optimizer(spec)}, {c.compute_dtype}\n"
         f"zero3 config ({spec.config_source}): persistence < {c.param_persistence_threshold:,}, {sizes}\n"
         f"output: {out}"
     )

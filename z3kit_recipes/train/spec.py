@@ -44,6 +44,8 @@ class RunSpec:
     init_from: str | None = None
     #: ``--export``: where to write the trained weights in that layout at the end
     export: str | None = None
+    #: (name, text) of the files ``--export`` writes beside the weights: the vocabulary's tokenizer
+    export_files: tuple[tuple[str, str], ...] = ()
 
     @property
     def micro_steps(self) -> int:

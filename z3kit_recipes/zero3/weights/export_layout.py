@@ -8,17 +8,23 @@ every tensor differently and keeps its linear weights transposed (its
 ``ExportLayout`` says, for every name of the model, the name stored in the
 folder, which 2-D weights are stored transposed, and the ``config.json``
 that makes ``AutoModelForCausalLM.from_pretrained`` build that
-architecture. ``save_pretrained`` and ``load_pretrained``
+architecture, and other files of the folder (a tokenizer's), written
+beside the weights and committed with them. ``save_pretrained`` and ``load_pretrained``
 (``zero3.weights.pretrained``) take one; without it the model's own
 ``state_dict`` names are stored as they are.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
+
+from z3kit_recipes.zero3.weights.hf_config import CONFIG_FILE, GENERATION_CONFIG_FILE
+from z3kit_recipes.zero3.weights.safetensors_io import INDEX_FILE
+from z3kit_recipes.zero3.weights.target import MANIFEST
 
 
 def _frozen_names(value: Mapping[str, str]) -> dict[str, str]:
@@ -31,6 +37,14 @@ def _name_set(value: Iterable[str]) -> frozenset[str]:
 
 def _config(value: Mapping[str, Any]) -> dict[str, Any]:
     return dict(value)
+
+
+def _files(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
+    return dict(value)
+
+
+#: files that the save itself writes: other files may not take their names
+RESERVED_FILES = frozenset({CONFIG_FILE, GENERATION_CONFIG_FILE, MANIFEST, INDEX_FILE})
 
 
 @attrs.frozen
@@ -46,6 +60,8 @@ class ExportLayout:
     config: Mapping[str, Any] = attrs.field(factory=dict, converter=_config)
     #: ``generation_config.json``, when the architecture needs one
     generation_config: Mapping[str, Any] | None = None
+    #: other files of the folder, name -> text (a tokenizer's ``tokenizer.json``, say)
+    files: Mapping[str, str] = attrs.field(factory=dict, converter=_files)
 
     def __attrs_post_init__(self) -> None:
         stored = list(self.names.values())
@@ -55,6 +71,11 @@ class ExportLayout:
         unknown = sorted(self.transposed - set(self.names))
         if unknown:
             raise ValueError(f"ExportLayout.transposed names tensors that names does not: {', '.join(unknown)}")
+        bad = sorted(n for n in self.files if n in RESERVED_FILES or n.endswith(".safetensors")
+                     or n != os.path.basename(n) or n in ("", ".", ".."))
+        if bad:
+            raise ValueError(f"ExportLayout.files: not a plain file name of its own: {', '.join(map(repr, bad))} "
+                             "(the save writes config.json, the manifest and the .safetensors files itself)")
 
     def stored(self, name: str) -> str:
         return self.names[name]

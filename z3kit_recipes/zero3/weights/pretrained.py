@@ -208,11 +208,14 @@ def save_pretrained(
 
 def _write_extras(engine: EngineCore, staging: Path, files: list[list[Planned]], layout: ExportLayout | None) -> None:
     """The index of a model in several files, and the config (the layout's,
-    or the model's when it has a Hugging Face one), with the dtype written."""
+    or the model's when it has a Hugging Face one), with the dtype written;
+    the layout's other files."""
     if len(files) > 1:
         write_index(staging, files)
     dtype = saved_dtype([t for group in files for t in group])
     if layout is not None:
+        for name, text in layout.files.items():
+            (staging / name).write_text(text, encoding="utf-8")
         write_json(staging / CONFIG_FILE, record_dtype(layout.config, dtype))
         if layout.generation_config is not None:
             write_json(staging / GENERATION_CONFIG_FILE, layout.generation_config)
