@@ -84,8 +84,8 @@ def initialize(
     group and replicates them across the groups (not with ``process_group``).
 
     ``optimizer`` is a factory that receives this rank's fp32 master shards
-    (a ``MasterShards``: a list that also names them, ``.named()``), or None:
-    then the optimizer the DeepSpeed config's ``optimizer`` section names, or,
+    (a ``MasterShards``: a list that also names them, ``.named()``), or None
+    (the default; ``initialize(model, config=ds_json)``): then the optimizer the DeepSpeed config's ``optimizer`` section names, or,
     without one, an inference-only engine (an RLHF reference model, say): no
     masters, no gradient buffers, every parameter frozen; ``step`` and
     ``backward`` are refused. A factory and an ``optimizer`` section together
