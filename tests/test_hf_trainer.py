@@ -115,3 +115,82 @@ def test_unsupported_settings_are_refused_by_name(tmp_path: Path) -> None:
     message = str(refused.value)
     assert "optimizers=(...)" in message and "auto_find_batch_size" in message
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing was sharded
+
+
+#: a DeepSpeed JSON whose numbers disagree with the TrainingArguments below in seven places
+MISMATCHED_JSON = {
+    "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": "auto", "weight_decay": 0.0}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "total_num_steps": 100}},
+}
+#: each disagreement, in the names the user set in TrainingArguments
+MISMATCHES = [
+    "gradient_clipping is 0.5 but max_grad_norm=1.0",
+    "optimizer.params.lr is 0.001 but learning_rate=5e-05",
+    "optimizer.params.betas is [0.9, 0.95] but adam_beta2=0.999",
+    "optimizer.params.weight_decay is 0.0 but weight_decay=0.01",
+    "scheduler.params.warmup_max_lr is 0.001 but learning_rate=5e-05",
+    "scheduler.params.warmup_num_steps is 10 but warmup_steps=0",
+    "scheduler.params.total_num_steps is 100 but max_steps=50",
+]
+
+
+def _args(tmp_path: Path, **kwargs: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+
+
+def test_json_mismatches_are_named_by_training_arguments_all_at_once(tmp_path: Path) -> None:
+    from z3kit_recipes.hf.json_arguments import mismatches
+    from z3kit_recipes.hf.settings import json_schedule
+
+    args = _args(tmp_path, weight_decay=0.01, max_steps=50)
+    assert sorted(mismatches(MISMATCHED_JSON, args)) == sorted(MISMATCHES)  # adam_beta1 agrees: not named
+    agreeing = _args(tmp_path, learning_rate=1e-3, adam_beta2=0.95, max_grad_norm=0.5, warmup_steps=10, max_steps=100)
+    assert mismatches(MISMATCHED_JSON, agreeing) == []
+    # a warmup ratio and no max_steps: the step counts are checked once train() knows them, by name again
+    ratio = _args(tmp_path, learning_rate=1e-3, adam_beta2=0.95, max_grad_norm=0.5, warmup_steps=0.5)
+    assert mismatches(MISMATCHED_JSON, ratio) == []
+    with pytest.raises(ValueError) as late:
+        json_schedule(MISMATCHED_JSON["scheduler"], ratio, 40)
+    assert "warmup_num_steps is 10 but warmup_steps=0.5" in str(late.value)
+    assert "total_num_steps is 100 but training steps (num_train_epochs x the data)=40" in str(late.value)
+
+
+def test_zero3_trainer_reports_every_json_mismatch_in_one_error_before_sharding(tmp_path: Path) -> None:
+    from z3kit_recipes.hf import Zero3Trainer
+
+    model = _llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as refused:
+        Zero3Trainer(model=model, args=_args(tmp_path, weight_decay=0.01, max_steps=50), z3kit_config=MISMATCHED_JSON)
+    message = str(refused.value)
+    assert message.startswith("the DeepSpeed JSON disagrees with TrainingArguments: ")
+    for line in MISMATCHES:
+        assert line in message
+    assert "TrainingValues" not in message
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("where", ["arguments", "json", "config"])
+def test_fp16_is_refused_saying_what_to_use(tmp_path: Path, where: str) -> None:
+    from z3kit_recipes import zero3
+    from z3kit_recipes.hf import Zero3Trainer
+
+    args = _args(tmp_path, fp16=where == "arguments")
+    config: Any = {"json": {"fp16": {"enabled": True}, "gradient_clipping": "auto"},
+                   "config": zero3.Zero3Config(compute_dtype="fp16"), "arguments": None}[where]
+    with pytest.raises(ValueError) as refused:
+        Zero3Trainer(model=_llama(), args=args, z3kit_config=config)
+    message = str(refused.value)
+    assert "use bf16=True" in message and "engine.backward(loss)" in message and "\"fp16\": {\"enabled\": false}" in message
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))

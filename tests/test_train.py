@@ -309,6 +309,14 @@ def test_memory_table_shows_every_kind_per_rank() -> None:
     assert "1.00 MB" in table and "200.00 MB" in table and "device peak" in table and "3.00 MB" in table
     assert "16.0 kB" in table  # the replica's total: 16 bytes per parameter
     assert "memory plan     memory budget 9 B" in table
+    # every label stands apart from its first value, the longest kind's name included
+    longest = max(KINDS, key=len)
+    assert len(longest) >= len("host_optimizer_state")
+    for line in table.splitlines():
+        label = next((k for k in (*KINDS, "total", "process peak RSS", "device peak") if line.startswith(f"  {k} ")), None)
+        if label is not None:
+            assert line[len(label) + 2 : len(label) + 4] == "  ", line
+    assert any(line.startswith(f"  {longest}  ") for line in table.splitlines())
 
 
 # --------------------------------------------------------------------------- #

@@ -7,6 +7,7 @@ same warmup written out from its formula.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import time
@@ -379,3 +380,126 @@ def test_a_batch_short_on_one_rank_stops_every_rank_in_seconds(pools: PoolSet) -
     assert refused["error"].startswith("ValueError: this training batch has 3 samples")
     assert stopped["error"].startswith("RankFailed") and "this training batch has 3 samples" in stopped["error"]
     assert max(refused["seconds"], stopped["seconds"]) < 30  # not the collective timeout
+
+
+# -- keys that change nothing in DeepSpeed's ZeRO-3 either, and the monitors ---------------------------
+#: a value of each key accepted whatever it holds, as users' JSONs write them
+INERT = {
+    "steps_per_print": 10, "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
+    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+    "flops_profiler": {"enabled": True, "profile_step": 1}, "activation_checkpointing": {"partition_activations": True},
+    "wandb": {"enabled": False}, "comet": {"enabled": False},
+    "tensorboard": {"enabled": False, "output_path": "tb/"}, "csv_monitor": {"enabled": False},
+    # at DeepSpeed's default
+    "prescale_gradients": False, "gradient_predivide_factor": 1, "sparse_gradients": False,
+    "communication_data_type": None,
+}
+INERT_ZERO = {
+    "allgather_partitions": True, "allgather_bucket_size": 2e8, "round_robin_gradients": True,
+    "ignore_unused_parameters": True, "use_multi_rank_bucket_allreduce": True,
+    "stage3_model_persistence_threshold": 1e9, "stage3_module_granularity_threshold": 0,
+    "stage3_use_all_reduce_for_fetch_params": True, "stage3_allgather_sequential": False,
+    "memory_efficient_linear": False, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+    "zero_quantized_weights": False, "zero_quantized_gradients": False, "elastic_checkpoint": False,
+}
+
+
+def test_keys_inert_in_deepspeeds_zero3_are_accepted_and_listed_in_the_one_note() -> None:
+    base = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "reduce_scatter": False}}
+    ds = {**base, **INERT, "zero_optimization": {**base["zero_optimization"], **INERT_ZERO}}
+    c, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed(ds))
+    assert c == zero3.Zero3Config.from_deepspeed(base)  # nothing changed by them
+    assert len(notes) == 1 and "\n" not in notes[0]
+    for key in [*INERT, *(f"zero_optimization.{k}" for k in INERT_ZERO)]:
+        assert key in notes[0], key
+    assert c.monitors == () and "writes nothing" not in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"prescale_gradients": True}, r"prescale_gradients \(only DeepSpeed's default, false: true changes the numbers\)"),
+        ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor \(only DeepSpeed's default, 1.0: 2.0"),
+        ({"communication_data_type": "fp16"}, r"communication_data_type \(only DeepSpeed's default, null: \"fp16\""),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+         r"zero_optimization.zero_quantized_gradients \(only DeepSpeed's default"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": 0}}, r"zero_quantized_weights .*: 0 changes"),
+        ({"elasticity": {"enabled": True}}, r"unsupported DeepSpeed config keys: elasticity\."),
+        ({"csv_monitor": {"enabled": True, "team": "x"}}, r"csv_monitor.team"),
+    ],
+)
+def test_keys_that_change_numbers_stay_refused_by_name(change: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        zero3.Zero3Config.from_deepspeed({"gradient_clipping": 1.0, **change})
+
+
+def test_monitor_sections_become_the_engines_monitors(tmp_path: Path) -> None:
+    from z3kit_recipes.zero3.config.monitor import MonitorConfig
+
+    ds = {"gradient_clipping": 1.0, "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+          "wandb": {"enabled": True, "project": "p"}}
+    c, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed(ds))
+    assert c.monitors == (MonitorConfig(kind="csv", output_path=str(tmp_path), job_name="run"),)
+    assert c.monitors[0].log_dir == str(tmp_path / "run")
+    assert "wandb enabled: z3kit writes nothing to it" in notes[0]
+    assert MonitorConfig.from_json("csv_monitor", {}) is None  # DeepSpeed's default: off
+    tensorboard = {"gradient_clipping": 1.0, "tensorboard": {"enabled": True}}
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ValueError, match=r"tensorboard: TensorBoard logging needs the tensorboard package.*pip "
+                                             r"install tensorboard.*csv_monitor"):
+            zero3.Zero3Config.from_deepspeed(tensorboard)
+    else:
+        assert zero3.Zero3Config.from_deepspeed(tensorboard).monitors[0].log_dir == "DeepSpeedJobName"
+
+
+def _monitor_worker(ctx: WorkerContext, out_dir: str, tensorboard: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.05,
+                                                     "warmup_type": "linear"}},
+        "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "csv_job"},
+    }
+    if tensorboard:
+        ds["tensorboard"] = {"enabled": True, "output_path": out_dir, "job_name": "tb_job"}
+    engine = zero3.initialize(_Net(), config=ds, process_group=fresh_group(ctx))
+    gen = torch.Generator().manual_seed(ctx.rank)
+    losses, lrs = [], []
+    for _ in range(3):
+        window = []
+        for _ in range(2):
+            loss = engine(torch.randn(4, HIDDEN, generator=gen)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            window.append(loss.item())
+        losses.append(sum(window) / 2)
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    return dict(losses=losses, lrs=lrs)
+
+
+def _csv(path: Path) -> list[list[str]]:
+    return [line.split(",") for line in path.read_text().splitlines()]
+
+
+def test_the_engine_writes_deepspeeds_monitor_files_from_rank_0(pools: PoolSet, tmp_path: Path) -> None:
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    rank0 = pools.run(2, _monitor_worker, str(tmp_path), tensorboard)[0]
+    folder = tmp_path / "csv_job"
+    assert sorted(p.name for p in folder.iterdir()) == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv"]
+    loss, lr = _csv(folder / "Train_Samples_train_loss.csv"), _csv(folder / "Train_Samples_lr.csv")
+    # one header, then one row per optimizer step (rank 0's alone) against the samples: 4 x 2 x 2 ranks a step
+    assert loss[0] == ["step", "train_loss"] and lr[0] == ["step", "lr"]
+    assert [int(r[0]) for r in loss[1:]] == [16, 32, 48] and [int(r[0]) for r in lr[1:]] == [16, 32, 48]
+    assert [float(r[1]) for r in loss[1:]] == pytest.approx(rank0["losses"], rel=1e-6)
+    assert [float(r[1]) for r in lr[1:]] == pytest.approx(rank0["lrs"], rel=1e-12)  # after the scheduler's step
+    if tensorboard:  # the same numbers in the SummaryWriter's event file
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb_job"))
+        events.Reload()
+        written = events.Scalars("Train/Samples/train_loss")
+        assert [e.step for e in written] == [16, 32, 48]
+        assert [e.value for e in written] == pytest.approx(rank0["losses"], rel=1e-6)
+        assert [e.value for e in events.Scalars("Train/Samples/lr")] == pytest.approx(rank0["lrs"], rel=1e-6)

@@ -2,7 +2,9 @@
 
 - ``trainer``: ``Zero3Trainer``, ``transformers.Trainer`` on the stock
   ZeRO-3 runtime;
-- ``settings``: what it takes from ``TrainingArguments``, and what it refuses.
+- ``settings``: what it takes from ``TrainingArguments``, and what it refuses;
+- ``json_arguments``: a DeepSpeed JSON's numbers against the ``TrainingArguments``
+  that fill its ``"auto"``, every disagreement named at once.
 """
 
 try:

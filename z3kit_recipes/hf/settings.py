@@ -21,9 +21,19 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from z3kit_recipes import zero3
+from z3kit_recipes.hf.json_arguments import check_against_arguments
 from z3kit_recipes.zero3.config import deepspeed_json
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 
+#: why fp16 is refused, and what to use instead
+FP16_REFUSED = (
+    "fp16 (TrainingArguments(fp16=True), the DeepSpeed JSON's fp16.enabled, or Zero3Config(compute_dtype='fp16')): "
+    "fp16 training needs the loss multiplied by the engine's dynamic loss scale, which engine.backward(loss) does, "
+    "and Trainer backs the loss through Accelerate's own path instead; use bf16=True (bf16 needs no loss scale; "
+    "with a DeepSpeed JSON write \"bf16\": {\"enabled\": \"auto\"} and \"fp16\": {\"enabled\": false}), or train "
+    "fp16 in your own loop: engine = zero3.initialize(model, config=ds_json) with the JSON's fp16 section, then "
+    "engine.backward(loss) and engine.step()"
+)
 #: optimizer arguments that need the model itself (GaLore, LOMO, layer-wise): not buildable on shards
 _MODEL_BOUND_KWARGS = ("params", "model", "optimizer_dict")
 
@@ -37,10 +47,11 @@ def refuse_unsupported(args: TrainingArguments, optimizer: Any, scheduler: Any) 
     if args.deepspeed or args.fsdp:
         problems.append("TrainingArguments(deepspeed=... or fsdp=...) selects another runtime: remove it and pass a "
                         "DeepSpeed JSON as Zero3Trainer(z3kit_config=...)")
-    if args.fp16 or args.fp16_full_eval or args.bf16_full_eval:
-        problems.append("fp16/fp16_full_eval/bf16_full_eval: Zero3Trainer backs the loss with loss.backward(), which "
-                        "an fp16 engine refuses (only engine.backward(loss) scales it), and the shards keep their "
-                        "dtype; use bf16=True (or Zero3Config(compute_dtype='bf16'))")
+    if args.fp16:
+        problems.append(FP16_REFUSED)
+    if args.fp16_full_eval or args.bf16_full_eval:
+        problems.append("fp16_full_eval/bf16_full_eval: the shards keep the dtype they train in; evaluate in it "
+                        "(bf16=True trains and evaluates in bf16)")
     if args.auto_find_batch_size:
         problems.append("auto_find_batch_size re-creates the model on a failure; set the batch size")
     if not getattr(args.accelerator_config, "even_batches", True):
@@ -81,6 +92,8 @@ def engine_settings(
             raise ValueError(
                 f"the z3kit config accumulates over {config.gradient_accumulation_steps} micro-steps and "
                 f"TrainingArguments over {args.gradient_accumulation_steps}: set it in TrainingArguments only")
+        if config.compute_dtype == "fp16":
+            raise ValueError(f"Zero3Trainer cannot run with: {FP16_REFUSED}")
         if config.gradient_clipping not in (0.0, args.max_grad_norm):
             raise ValueError(
                 f"the z3kit config clips at {config.gradient_clipping} and TrainingArguments at {args.max_grad_norm}: "
@@ -88,6 +101,11 @@ def engine_settings(
         return EngineSettings(attrs.evolve(config, gradient_accumulation_steps=1,
                                            gradient_clipping=float(args.max_grad_norm)))
     ds = deepspeed_json.load(given)
+    fp16 = ds.get("fp16")
+    if isinstance(fp16, Mapping) and fp16.get("enabled") is True:
+        raise ValueError(f"Zero3Trainer cannot run with: {FP16_REFUSED}")
+    # every number that disagrees with the arguments, the scheduler's too, in the arguments' names, at once
+    check_against_arguments(ds, args)
     scheduler = ds.pop("scheduler", None)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     # "auto" filled (and numbers checked) against the arguments, batch sizes related over the ranks
@@ -100,6 +118,7 @@ def engine_settings(
 
 def json_schedule(section: Mapping[str, Any], args: TrainingArguments, num_training_steps: int) -> WarmupSchedule:
     """The JSON's ``scheduler`` section with its ``"auto"`` filled as Trainer fills it for DeepSpeed."""
+    check_against_arguments({"scheduler": section}, args, num_training_steps)  # the step counts, now known
     values = zero3.TrainingValues(lr=args.learning_rate, warmup_steps=args.get_warmup_steps(num_training_steps),
                                   total_steps=num_training_steps)
     read = deepspeed_json.read_deepspeed({"scheduler": section, "gradient_clipping": 0.0}, auto=values)

@@ -90,9 +90,11 @@ def render_memory(mem: MemoryFigures) -> list[str]:
     replica = {k: fmt_bytes(v) if v else "-" for k, v in mem.replica.bytes.items()}
     replica["total"] = fmt_bytes(mem.replica.total)
     width = max(len(c) for c in [*(c for row in cells.values() for c in row), f"rank {len(ranks) - 1}"]) + 3
+    # the longest label (a kind's name, host_optimizer_state) and a gap: no label runs into its value
+    label_width = max(len(label) for label in cells) + 3
 
     def row(label: str, values: list[str], last: str = "") -> str:
-        return (f"  {label:<18}" + "".join(f"{v:<{width}}" for v in values) + last).rstrip()
+        return (f"  {label:<{label_width}}" + "".join(f"{v:<{width}}" for v in values) + last).rstrip()
 
     lines = [
         "memory per rank  the engine's buffers by kind: after the last step / peak over it (total: the peak of the "

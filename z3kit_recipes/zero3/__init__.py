@@ -17,6 +17,7 @@ also a ``ValueError``), ``BackwardTwice`` and ``SaveRefused``.
 from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.config.deepspeed_json import DeepSpeedNote
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
+from z3kit_recipes.zero3.config.monitor import MonitorConfig
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.engine import Zero3Engine
@@ -37,6 +38,7 @@ __all__ = [
     "LossScaleAtMinimum",
     "LossScaleConfig",
     "MasterShards",
+    "MonitorConfig",
     "OffloadConfig",
     "RankFailed",
     "RanksDisagree",

@@ -31,16 +31,17 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
+from z3kit_recipes.zero3.deepspeed_call import NOT_A_TUPLE
 from z3kit_recipes.zero3.lockstep import generate as lockstep_generate
 from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained
+from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained, sixteen_bit
 from z3kit_recipes.zero3.weights.model_state import ModelStateHooks
 from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
@@ -86,6 +87,11 @@ class Zero3Engine(EngineCore, nn.Module):
             if name.startswith("__") or "module" not in modules:
                 raise
             return getattr(modules["module"], name)
+
+    def __iter__(self) -> NoReturn:
+        # `engine, optimizer, _, scheduler = zero3.initialize(...)` (DeepSpeed's 4-tuple) comes here;
+        # nothing iterates an engine otherwise (a module is not a container of its parameters)
+        raise TypeError(NOT_A_TUPLE)
 
     # -- what would hand out empty shards -----------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -175,6 +181,18 @@ class Zero3Engine(EngineCore, nn.Module):
         """Write the full model in the Hugging Face layout, one parameter at a time (collective;
         ``layout``: under another architecture's names, ``zero3.weights.export_layout``)."""
         pretrained.save_pretrained(self, path, max_shard_bytes=max_shard_bytes, dtype=dtype, layout=layout)
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike[str], save_filename: str = sixteen_bit.DEFAULT_FILENAME,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's call, as DeepSpeed does it: rank 0 writes ``torch.save`` of the whole model's
+        ``state_dict`` (each parameter under every name, in the compute dtype: bf16 or fp16 in such a
+        run; persistent buffers) to ``save_dir/save_filename``; ``exclude_frozen_parameters`` leaves
+        out parameters that do not train. Always written (DeepSpeed's needs
+        ``stage3_gather_16bit_weights_on_model_save``); returns True (collective; ``zero3.weights.sixteen_bit``).
+        For ``from_pretrained``, ``save_pretrained`` writes the Hugging Face layout."""
+        return sixteen_bit.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
         """The model's Hugging Face ``generate`` on every rank in lockstep

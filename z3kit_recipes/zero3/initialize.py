@@ -29,6 +29,7 @@ from z3kit_recipes.zero3.config.budget import MemoryPlan, plan_memory, transient
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED, Zero3Config
 from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.training_values import TrainingValues
+from z3kit_recipes.zero3.deepspeed_call import check_deepspeed_arguments, check_optimizer_argument
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
 from z3kit_recipes.zero3.ranks.topology import check_mesh, hpz_size_for, shard_size_for, topology_for
@@ -59,7 +60,7 @@ def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
 
 def initialize(
     model: nn.Module,
-    optimizer: OptimizerFactory | None,
+    optimizer: OptimizerFactory | None = None,
     config: Zero3Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     process_group: ProcessGroup | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
@@ -72,6 +73,7 @@ def initialize(
     param_init_fn: InitFn | None = None,
     init_seed: int | None = None,
     stream_pairs: StreamPairFactory = stream_pair_for,
+    **deepspeed_arguments: object,
 ) -> Zero3Engine:
     """Shard ``model`` over ``process_group`` (default: the world group) and
     return the engine that trains it.
@@ -82,8 +84,8 @@ def initialize(
     group and replicates them across the groups (not with ``process_group``).
 
     ``optimizer`` is a factory that receives this rank's fp32 master shards
-    (a ``MasterShards``: a list that also names them, ``.named()``), or None:
-    then the optimizer the DeepSpeed config's ``optimizer`` section names, or,
+    (a ``MasterShards``: a list that also names them, ``.named()``), or None
+    (the default; ``initialize(model, config=ds_json)``): then the optimizer the DeepSpeed config's ``optimizer`` section names, or,
     without one, an inference-only engine (an RLHF reference model, say): no
     masters, no gradient buffers, every parameter frozen; ``step`` and
     ``backward`` are refused. A factory and an ``optimizer`` section together
@@ -109,14 +111,16 @@ def initialize(
     ``stream_pairs`` makes the stream pair of the gathers and the one of the
     reductions for a device (default: ``z3kit.streams.stream_pair_for``);
     tests pass ``z3kit.stream_check.RecordingStreamPair``.
+
+    ``deepspeed.initialize``'s own arguments (``model_parameters``,
+    ``lr_scheduler``, ``args``, ...) are refused, each naming what z3kit
+    takes instead (``zero3.deepspeed_call``); so is an optimizer instance,
+    and unpacking the result as DeepSpeed's 4-tuple (``Zero3Engine.__iter__``).
     """
+    check_deepspeed_arguments(deepspeed_arguments)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and (not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
-        raise TypeError(
-            "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3): "
-            "it receives this rank's master shards (or None for an engine that only runs forwards)"
-        )
+    check_optimizer_argument(optimizer)
     if process_group is not None and device_mesh is not None:
         raise ValueError("pass process_group or device_mesh, not both: the mesh's groups are the engine's")
     if process_group is None:

@@ -22,6 +22,7 @@ from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.monitor import MonitorConfig
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 
@@ -124,6 +125,10 @@ class Zero3Config:
     #: gathers stay within them (``zero3.training.secondary``). "node": torchrun's ``LOCAL_WORLD_SIZE``.
     #: None or 1: off
     hpz_partition_size: int | str | None = attrs.field(default=None)
+    #: where rank 0 writes the training loss, learning rate (and fp16 loss scale) at each optimizer
+    #: step: DeepSpeed's ``tensorboard`` and ``csv_monitor`` sections (``zero3.runtime.monitor``)
+    monitors: tuple[MonitorConfig, ...] = attrs.field(
+        default=(), converter=tuple, validator=attrs.validators.deep_iterable(attrs.validators.instance_of(MonitorConfig)))
 
     @mics_shard_size.validator
     @hpz_partition_size.validator

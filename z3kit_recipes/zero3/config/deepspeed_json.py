@@ -9,8 +9,9 @@ among them) works unedited:
   (:data:`FILLED_BY` says which field fills which key). A JSON number that
   disagrees with a given field is refused, as the Trainer refuses it;
 - keys that change nothing in z3kit are accepted and listed in one note
-  (``offload_param`` to the CPU among them: z3kit does not offload
-  parameters, so the note says memory is higher than DeepSpeed's);
+  (``zero3.config.deepspeed_keys`` says why for each; ``offload_param``
+  to the CPU: z3kit does not offload parameters, so memory is higher);
+- ``tensorboard`` and ``csv_monitor``, enabled, are ``Zero3Config.monitors``;
 - ``offload_optimizer`` to the CPU becomes ``Zero3Config.offload_optimizer``
   (``zero3.config.offload``): the optimizer steps on the host;
 - ``zero_optimization.mics_shard_size`` is HSDP (``Zero3Config.mics_shard_size``;
@@ -38,10 +39,12 @@ from typing import Any, Final
 import attrs
 
 from z3kit.validate import check_int
+from z3kit_recipes.zero3.config import deepspeed_keys as keys
 from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
+from z3kit_recipes.zero3.config.monitor import MonitorConfig
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
 
@@ -67,10 +70,6 @@ FILLED_BY: Final[dict[tuple[str, ...], str]] = {
 _TOP_LEVEL: Final = {"gradient_accumulation_steps": "gradient_accumulation_steps",
                      "gradient_clipping": "gradient_clipping"}
 _BATCH: Final = ("train_batch_size", "train_micro_batch_size_per_gpu")
-#: accepted, and listed in the note: nothing in z3kit changes with them
-_INERT_TOP_LEVEL: Final = frozenset({"steps_per_print", "wall_clock_breakdown"})
-_INERT_ZERO: Final = frozenset({"sub_group_size", "stage3_gather_16bit_weights_on_model_save",
-                                "stage3_gather_fp16_weights_on_model_save"})
 _FP16_KEYS: Final = frozenset({"enabled", "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis",
                                "consecutive_hysteresis", "min_loss_scale"})
 _OFFLOAD_KEYS: Final = frozenset({"device", "pin_memory"})
@@ -131,6 +130,7 @@ def read_deepspeed(
     unsupported: list[str] = []
     inert: list[str] = []
     offloaded: list[str] = []
+    unwritten: list[str] = []  # monitors enabled that z3kit does not write to
 
     def take(name: str, key: str, value: Any) -> None:
         # JSON configs often write sizes as 5e8, which json reads as a float
@@ -143,9 +143,17 @@ def read_deepspeed(
             take(_TOP_LEVEL[key], key, value)
         elif key in _BATCH or key in _SECTIONS:
             continue  # below
-        elif key in _INERT_TOP_LEVEL:
+        elif key in keys.INERT_TOP_LEVEL:
             inert.append(key)
-        else:
+            if key in ("wandb", "comet") and isinstance(value, Mapping) and value.get("enabled") is True:
+                unwritten.append(key)
+        elif key in keys.WRITTEN_MONITORS:
+            monitor = MonitorConfig.from_json(key, value)
+            if monitor is None:
+                inert.append(key)
+            else:
+                knobs.setdefault("monitors", []).append(monitor)
+        elif not keys.default_only(key, value, inert, unsupported):
             unsupported.append(key)
     _precision(ds, knobs, inert, unsupported)
     zero = _section(ds, "zero_optimization")
@@ -158,7 +166,7 @@ def read_deepspeed(
             continue
         if zkey in _ZERO_KEYS:
             take(_ZERO_KEYS[zkey], name, zvalue)
-        elif zkey in _INERT_ZERO:
+        elif zkey in keys.INERT_ZERO:
             inert.append(name)
         elif zkey == "mics_shard_size":  # HSDP: ranks per shard group; DeepSpeed's default, -1, is off
             if zvalue != -1:
@@ -170,7 +178,7 @@ def read_deepspeed(
             if zkey == "offload_optimizer" and name in offloaded:  # real offload (zero3.training.offload)
                 offloaded.remove(name)
                 knobs["offload_optimizer"] = OffloadConfig.from_json(name, zvalue)
-        else:
+        elif not keys.default_only(name, zvalue, inert, unsupported):
             unsupported.append(name)
     if unsupported:
         raise ValueError(
@@ -191,6 +199,9 @@ def read_deepspeed(
         if offloaded:
             note += (f"; {' and '.join(offloaded)} = \"cpu\": z3kit does not offload parameters, they "
                      "stay on the device, so each rank needs more device memory than under DeepSpeed")
+        if unwritten:
+            note += (f"; {' and '.join(unwritten)} enabled: z3kit writes nothing to it (log from your loop, or "
+                     "enable tensorboard or csv_monitor)")
         notes.append(note)
     if "gradient_clipping" not in ds:
         knobs["gradient_clipping"] = DEEPSPEED_GRADIENT_CLIPPING
@@ -209,9 +220,11 @@ def tell(notes: tuple[str, ...], rank: int) -> None:
 
 def supported_keys() -> list[str]:
     """Every key of a DeepSpeed JSON that z3kit accepts, for messages."""
-    return sorted([*_TOP_LEVEL, *_BATCH, *_INERT_TOP_LEVEL, "bf16.enabled", *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
-        + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *_INERT_ZERO, "offload_optimizer",
-                                                    "offload_param", "mics_shard_size", "zero_hpz_partition_size"))
+    return sorted([*_TOP_LEVEL, *_BATCH, *keys.INERT_TOP_LEVEL, *keys.WRITTEN_MONITORS, "bf16.enabled",
+                   *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
+        + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *keys.INERT_ZERO, "offload_optimizer",
+                                                    "offload_param", "mics_shard_size", "zero_hpz_partition_size")) \
+        + [f"{k} (at DeepSpeed's default only)" for k in keys.DEFAULT_ONLY]
 
 
 def _section(ds: Mapping[str, Any], key: str, spelled: str | None = None) -> Mapping[str, Any]:

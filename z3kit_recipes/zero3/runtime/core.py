@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from z3kit_recipes.zero3.runtime.build import EngineParts
+from z3kit_recipes.zero3.runtime.monitor import StepMonitor
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
 from z3kit_recipes.zero3.step.state import Phase
@@ -43,6 +44,11 @@ class EngineCore:
         self.memory_plan = parts.memory_plan
         #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.runtime.root_hooks``)
         self.forwards = RootForward(parts, self._abort)
+        config = self.zero3_config
+        micro = config.micro_batch_size
+        #: rank 0's TensorBoard / CSV monitors (``Zero3Config.monitors``), None where none writes
+        self.monitor = StepMonitor.open(config.monitors, self.rank, None if micro is None else
+                                        micro * config.gradient_accumulation_steps * self.world)
 
     @property
     def global_step(self) -> int:
@@ -108,6 +114,8 @@ class EngineCore:
             self.parts.backward.once.in_engine_backward = False
         if self.step_state.micro_step == before:  # nothing in backward reached a hook of ours
             self.parts.backward.end()
+        if self.monitor is not None:
+            self.monitor.loss(loss)
 
     # -- optimizer step --------------------------------------------------------------------
     def is_accumulation_boundary(self) -> bool:
@@ -139,6 +147,10 @@ class EngineCore:
                 self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
         self.coordinator.refresh_persistent()
         self.step_state.global_step += 1
+        if self.monitor is not None:  # after the scheduler's step: the lr the next step uses, as DeepSpeed writes
+            scaler = self.parts.loss_scaler
+            self.monitor.step(self.global_step, None if self.optimizer is None else self.optimizer.param_groups[0]["lr"],
+                              None if scaler is None else scaler.scale)
         self.parts.stats.optimizer_step()
         self.parts.timeline.step_boundary()
         return True
