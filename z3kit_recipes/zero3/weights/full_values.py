@@ -45,7 +45,7 @@ def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str
 def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
     """Rank ``src``'s full values of ``pids`` (gathered, maybe changed there)
     into every rank's shards and masters, one parameter at a time (broadcast
-    in place: the gathered copies are dropped right after)."""
+    in place). The caller then reports the change (``engine.shards_changed``)."""
     master_of = {} if engine.layout.masters_are_shards else engine.layout.master_of()
     for pid in pids:
         shard = engine.shards[pid]
@@ -55,7 +55,6 @@ def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
         master = master_of.get(pid)
         if master is not None:
             fill_partition(master.data, full, shard.rank, shard.world)
-    engine.coordinator.discard(p for p in pids if engine.coordinator.persistent[p])
 
 
 @contextlib.contextmanager
@@ -76,9 +75,13 @@ def gathered(
     # pinned for the whole block: whatever runs inside it (a forward on one
     # rank only, say) finds them gathered and needs no collective for them
     engine.coordinator.pin(pids)
+    adopted = False
     try:
         yield [engine.shards[p].param for p in pids]
         if modifier_rank is not None:
             adopt_full_values(engine, pids, modifier_rank)
+            adopted = True
     finally:
         engine.coordinator.unpin(pids)
+    if adopted:  # after unpin: what this block gathered is freed, not gathered again
+        engine.shards_changed(pids)
