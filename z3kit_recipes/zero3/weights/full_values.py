@@ -18,12 +18,14 @@ from torch import nn
 from z3kit.collectives import broadcast
 from z3kit.shard import fill_partition
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
+from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers, state_dict_names
 
 
 def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full parameter values and persistent buffers by name, on CPU
-    (collective: every rank calls it), gathered one parameter at a time.
+    (collective: every rank calls it), gathered one parameter at a time:
+    the names and order of a plain model's ``state_dict()`` (a module or a
+    tensor registered under several names is under each of them, one tensor).
 
     Trainable parameters come from the fp32 master shards (in bf16 runs
     too, so a checkpoint keeps full precision); frozen ones in their
@@ -32,14 +34,19 @@ def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str
     """
     engine.check_idle("full_state_dict")
     keep = not rank0_only or engine.rank == 0
-    out: dict[str, torch.Tensor] = {}
-    for pid, name in enumerate(engine.param_names):
+    names = names_by_param(engine.module)
+    found: dict[str, torch.Tensor] = {}
+    for pid, shard in enumerate(engine.shards):
         full = engine.layout.gather_full(pid, engine.topology.shard_group, engine.log)
-        if keep:
-            out[name] = full.view(engine.shards[pid].shape).to("cpu", copy=True)
-    if keep:
-        out.update({name: b.detach().to("cpu", copy=True) for name, b in persistent_buffers(engine.module).items()})
-    return out
+        if keep:  # one tensor under each of its names, as state_dict gives it
+            value = full.view(shard.shape).to("cpu", copy=True)
+            found.update(dict.fromkeys(names[id(shard.param)], value))
+    if not keep:
+        return {}
+    buffers = persistent_buffers(engine.module)
+    copies = {id(b): b.detach().to("cpu", copy=True) for b in buffers.values()}
+    found.update({name: copies[id(b)] for name, b in buffers.items()})
+    return {name: found[name] for name in state_dict_names(engine.module, buffers)}
 
 
 def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
