@@ -135,6 +135,8 @@ def _slices_memory(ctx: WorkerContext) -> list[tuple[int, int]]:
             engine.step()
         memory = engine.stats().memory
         out.append((memory.current["hpz_secondary"], memory.peak["hpz_secondary"]))
+    with pytest.raises(ValueError, match=r"shards_changed takes parameter ids in \[0, 6\), got \[6\]"):
+        engine.shards_changed([6])
     return out
 
 

@@ -178,9 +178,11 @@ class EngineCore:
             self.parts.optimizer_step.settle()
 
     def shards_changed(self, pids: Iterable[int] | None = None) -> None:
-        """The shards (and masters) of ``pids`` (default: every parameter, by
-        id: ``engine.param_names``' order) were written: drop every copy made
-        from them. Collective: every rank calls it with the same ``pids``.
+        """The shards (and masters) of ``pids`` were written: drop every copy
+        made from them. ``pids``: parameter ids, positions in ``shards`` and
+        ``param_names``; None: every parameter. Collective: every rank calls
+        it with the same ``pids``, between forwards (inside a forward or a
+        backward it raises).
 
         Note: one owner for "the shards changed".
             Every path that writes shard values ends here, once it has
@@ -200,6 +202,9 @@ class EngineCore:
         if self.step_state.busy:
             raise RuntimeError("the shards cannot change inside a forward or backward")
         changed = range(len(self.shards)) if pids is None else sorted(set(pids))
+        wrong = [p for p in changed if not (isinstance(p, int) and 0 <= p < len(self.shards))]
+        if wrong:
+            raise ValueError(f"shards_changed takes parameter ids in [0, {len(self.shards)}), got {wrong[:4]}")
         self.coordinator.shards_changed(changed)
 
     def require_optimizer(self, what: str) -> torch.optim.Optimizer:
