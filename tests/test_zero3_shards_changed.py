@@ -77,6 +77,8 @@ def _path(ctx: WorkerContext, path: str, root: str) -> dict[str, dict[str, Any]]
         engine = _engine(ctx, workload, config)
         if path == "load_pretrained":
             engine.save_pretrained(f"{root}/{variant}")  # the initial weights
+        elif path == "load_checkpoint":
+            engine.save_checkpoint(f"{root}/{variant}")  # the initial weights, optimizer state and counters
         losses = [_micro(ctx, engine, workload, 0, 0), _micro(ctx, engine, workload, 0, 1),
                   _micro(ctx, engine, workload, 1, 0)]
         # inside the window of step 1: its first micro-step kept hpZ's slices of the weights before the change
@@ -87,6 +89,8 @@ def _path(ctx: WorkerContext, path: str, root: str) -> dict[str, dict[str, Any]]
             assert all(torch.equal(after[k], before[k] * -1.5 + 0.25) for k in before)  # every rank has rank 0's edit
         elif path == "load_pretrained":
             engine.load_pretrained(f"{root}/{variant}")
+        elif path == "load_checkpoint":
+            engine.load_checkpoint(f"{root}/{variant}")
         losses.append(_micro(ctx, engine, workload, 1, 1))
         if path == "unfreeze":  # between steps: the next window trains the first layer too
             engine.module.mlp.layers[0].requires_grad_(True)
@@ -111,6 +115,10 @@ def test_gathered_parameters_modifier_rank_inside_a_window_reaches_every_cache(p
 def test_load_pretrained_inside_a_window_reaches_every_cache(pools: PoolSet, tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     _assert_as_flat(pools.run(4, _path, "load_pretrained", str(tmp_path)))
+
+
+def test_load_checkpoint_inside_a_window_reaches_every_cache(pools: PoolSet, tmp_path: Path) -> None:
+    _assert_as_flat(pools.run(4, _path, "load_checkpoint", str(tmp_path)))
 
 
 def test_optimizer_steps_and_the_host_step_reach_every_cache(pools: PoolSet, tmp_path: Path) -> None:
