@@ -39,7 +39,7 @@ def test_bounds_per_layout() -> None:
     psi = 8_000
     assert resident_bound_bytes("flat", psi, shape) == 12 * psi / 8  # fp32 shard (= master) + Adam's 2 moments
     assert resident_bound_bytes("hsdp", psi, shape) == resident_bound_bytes("fsdp2-hsdp", psi, shape) == 12 * psi / 4
-    assert resident_bound_bytes("hpz", psi, shape) == 12 * psi / 8 + 4 * psi / 4  # plus the secondary 1/S shard
+    assert resident_bound_bytes("hpz", psi, shape) == 12 * psi / 8  # its secondary slices are freed by the step
     assert hsdp_inter_node_bound_bytes(psi, shape) == 2 * 4 * psi / 4
     assert tensor_bytes([torch.zeros(3), [torch.zeros(2, dtype=torch.float64)], 7]) == 12 + 16
 

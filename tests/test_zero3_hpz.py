@@ -59,7 +59,7 @@ def _train(ctx: WorkerContext, workload: str, **config: Any) -> dict[str, Any]:
             backwards.append(_backward_traffic(engine, loss))
             losses.append(loss.item())
         engine.step()
-    memory = dict(engine.stats().memory.current)
+    memory = dict(engine.stats().memory.peak)  # the window's: its step freed the slices
     return dict(losses=losses, params=engine.full_state_dict(), backwards=backwards, memory=memory,
                 padded=sum(s.padded_numel * s.shard.element_size() for s in engine.shards))
 

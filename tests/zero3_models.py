@@ -624,7 +624,8 @@ class DDPReference:
         return norm
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        # every name of a tied or shared parameter, as the plain model's state_dict lists it (and full_state_dict)
+        return {n: p.detach().clone() for n, p in self.model.named_parameters(remove_duplicate=False)}
 
 
 def build_pair(

@@ -124,7 +124,7 @@ class MemoryLedger:
     def report(self, device_peak: int | None = None) -> MemoryReport:
         """The figures by kind; a feature's kinds (``FEATURE_KINDS``: the host's of an offloading
         runtime, hpZ's) only once they held bytes."""
-        self._features_used.update(f for f in FEATURE_KINDS if any(self._current[k] for k in f))
+        self._features_used.update(f for f in FEATURE_KINDS if any(self._current[k] or self._peak[k] for k in f))
         hidden = set().union(*(f for f in FEATURE_KINDS if f not in self._features_used))
         kinds = [k for k in MemoryKind if k not in hidden]
         return MemoryReport(

@@ -44,10 +44,11 @@ from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.launch import leave_together, use_bytecode_cache
 from z3kit_recipes.models import Workload, make_workload
 
-#: z3kit's memory kinds that live only within a step (gathers, buckets, gradient partitions up
-#: to the optimizer step); every other kind (shards, masters, optimizer state, and whatever
-#: persistent kind a layout adds, such as hpZ's secondary shard) is resident between steps
-TRANSIENT_KINDS: Final = frozenset({"gathered_params", "grad_buckets", "grad_partitions", "host_grad_partitions"})
+#: z3kit's memory kinds that live only within a step (gathers, buckets, gradient partitions and
+#: hpZ's secondary slices up to the optimizer step); every other kind (shards, masters, optimizer
+#: state, and whatever persistent kind a layout adds) is resident between steps
+TRANSIENT_KINDS: Final = frozenset({"gathered_params", "grad_buckets", "grad_partitions", "host_grad_partitions",
+                                    "hpz_secondary"})
 GATHER_KINDS: Final = ("all_gather", "broadcast")
 
 MeshRunner = Z3kitRunner | FSDP2Runner

@@ -74,13 +74,11 @@ class MeshShape:
 def resident_bound_bytes(layout: LayoutName, total_params: int, mesh: MeshShape) -> float:
     """What one rank holds after an optimizer step in theory (fp32, Adam):
     its shard, which is its master, and Adam's moments, over 1/N of the
-    model flat and 1/S under HSDP; hpZ adds its secondary 1/S shard."""
-    if layout == "flat":
-        return FP32_ADAM_BYTES_PER_ELEMENT * total_params / mesh.world
+    model flat and under hpZ (whose secondary 1/S slices live from a
+    window's first forward to its step, which frees them) and 1/S under HSDP."""
     if layout in ("hsdp", "fsdp2-hsdp"):
         return FP32_ADAM_BYTES_PER_ELEMENT * total_params / mesh.shard_size
-    return (FP32_ADAM_BYTES_PER_ELEMENT * total_params / mesh.world
-            + PARAM_BYTES * total_params / mesh.shard_size)
+    return FP32_ADAM_BYTES_PER_ELEMENT * total_params / mesh.world
 
 
 def hsdp_inter_node_bound_bytes(total_params: int, mesh: MeshShape) -> float:

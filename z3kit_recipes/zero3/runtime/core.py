@@ -9,6 +9,7 @@ methods added, and the map of the data flow is its module docstring.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -141,11 +142,10 @@ class EngineCore:
             self.parts.backward.before_step()
             stepped = self.parts.optimizer_step.run()
             self.parts.backward.stand_ins.clear()
-            if stepped:
-                self.coordinator.gatherer.shards_updated()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
-        self.coordinator.refresh_persistent()
+        # every shard, stepped or not: what the window kept for its backwards (hpZ's slices) is freed
+        self.shards_changed()
         self.step_state.global_step += 1
         if self.monitor is not None:  # after the scheduler's step: the lr the next step uses, as DeepSpeed writes
             scaler = self.parts.loss_scaler
@@ -225,11 +225,35 @@ class EngineCore:
         if self.parts.optimizer_step is not None:
             self.parts.optimizer_step.settle()
 
-    def shards_changed(self) -> None:
-        """The shards were written from outside (a load): gathered copies are stale."""
-        self.coordinator.gatherer.wait_inflight()
-        self.coordinator.gatherer.shards_updated()
-        self.coordinator.discard(range(len(self.shards)))
+    def shards_changed(self, pids: Iterable[int] | None = None) -> None:
+        """The shards (and masters) of ``pids`` were written: drop every copy
+        made from them. ``pids``: parameter ids, positions in ``shards`` and
+        ``param_names``; None: every parameter. Collective: every rank calls
+        it with the same ``pids``, between forwards (inside a forward or a
+        backward it raises).
+
+        Note: one owner for "the shards changed".
+            Every path that writes shard values ends here, once it has
+            written them: the optimizer step (``step()``; with the optimizer
+            offloaded, the host step writes the shards behind the next
+            forward, and every gather waits for its own parameters' update:
+            ``zero3.training.host_step``), the loads (``load_checkpoint``,
+            ``load_pretrained``, ``load_deepspeed_checkpoint``), and an edit
+            under ``gathered_parameters(modifier_rank=...)``; a writer
+            first calls ``check_idle``, which waits for a host step still
+            running. What is dropped (``ParamCoordinator.shards_changed``):
+            hpZ's secondary slices (freed: no backward can use them), the
+            gathered copies (persistent and pinned ones are gathered again),
+            the gathers in flight, and the prefetch position in the trace.
+            Unfreezing writes no shard: a new master starts from its shard's
+            values (``zero3.training.trainable``)."""
+        if self.step_state.busy:
+            raise RuntimeError("the shards cannot change inside a forward or backward")
+        changed = range(len(self.shards)) if pids is None else sorted(set(pids))
+        wrong = [p for p in changed if not (isinstance(p, int) and 0 <= p < len(self.shards))]
+        if wrong:
+            raise ValueError(f"shards_changed takes parameter ids in [0, {len(self.shards)}), got {wrong[:4]}")
+        self.coordinator.shards_changed(changed)
 
     def require_optimizer(self, what: str) -> torch.optim.Optimizer:
         """The optimizer, or a clear error for an inference-only engine."""

@@ -121,10 +121,10 @@ class Gatherer:
             self.secondary.keep(pids)
         self.limiter.on_gather_done()
 
-    def shards_updated(self) -> None:
-        """The shards changed (an optimizer step, a load): hpZ's slices of them are stale."""
+    def shards_updated(self, pids: Iterable[int]) -> None:
+        """The shards of ``pids`` changed (``EngineCore.shards_changed``): hpZ's slices of them are stale."""
         if self.secondary is not None:
-            self.secondary.invalidate()
+            self.secondary.invalidate(pids)
 
     def ensure_gathered(self, pids: Iterable[int]) -> None:
         """Make ``pids`` AVAILABLE now: gather the missing ones in one

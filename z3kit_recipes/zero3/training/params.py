@@ -15,7 +15,7 @@ is the step state's answer (``StepState.tracing``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -237,14 +237,22 @@ class ParamCoordinator:
         self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and not self.holds.pinned(p))
         self.gatherer.forget_trace()
 
-    def refresh_persistent(self) -> None:
-        """After an optimizer step the shards changed: drop stale gathered
-        copies of persistent parameters and re-gather them in one collective
-        (left in flight with ``overlap_comm``), ready for the next forward."""
-        stale = [p for p in self.gatherer.gathered() if self.persistent[p]]
+    def shards_changed(self, pids: Sequence[int]) -> None:
+        """The shards of ``pids`` changed, between forwards (``EngineCore.shards_changed``
+        is the one caller): every copy made from them is stale. Gathers in
+        flight are completed and hpZ's slices dropped; gathered copies are
+        freed, and those that stay gathered between forwards (persistent
+        ones, and pinned ones: ``gathered_parameters``) are gathered again,
+        in one collective (left in flight with ``overlap_comm``), ready for
+        the next forward."""
+        self.gatherer.wait_inflight()
+        self.gatherer.shards_updated(pids)
+        stale = [p for p in pids if self.shards[p].status is ParamStatus.AVAILABLE]
         self.gatherer.free(stale)
-        if stale:
-            self.gatherer.gather(stale, wait=not self.gatherer.overlap)
+        again = [p for p in stale if self.persistent[p] or self.holds.pinned(p)]
+        if again:
+            self.gatherer.gather(again, wait=not self.gatherer.overlap or any(self.holds.pinned(p) for p in again))
+        self.gatherer.forget_trace()
 
     # -- parameters used outside their module ----------------------------------------------
     def on_param_use(self, pid: int, user: nn.Module | None) -> None:

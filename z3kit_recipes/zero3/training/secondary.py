@@ -12,7 +12,12 @@ takes them as its inputs), so backward's gathers cross no node boundary.
 
 Note: when a slice is valid.
     From the training forward that gathered the parameter to the next
-    change of the shards: an optimizer step, or a load (``invalidate``).
+    change of its shards: an optimizer step, a load, an edit under
+    ``gathered_parameters(modifier_rank=...)`` (every one of them ends in
+    ``EngineCore.shards_changed``, which calls ``invalidate``). A slice that
+    is no longer valid is freed at once: after the optimizer step no
+    backward can use it (the next forward keeps a new one), as DeepSpeed
+    frees its secondary partitions after the step.
     A parameter backward needs that no training forward gathered since
     (one used in backward only) is gathered over every rank. Every rank
     gathers the same parameters in the same forward (the ranks agree on
@@ -22,9 +27,11 @@ Note: when a slice is valid.
 
 Note: what it costs.
     A slice of 1/S of every parameter a training forward gathers, in the
-    compute dtype, kept allocated from then on (``MemoryKind.HPZ_SECONDARY``
-    in the ledger): about Ψ/S elements per rank for a model of Ψ, N/S times
-    what the primary shards take, against the gathers it keeps in the node.
+    compute dtype, held from the window's first training forward to its
+    optimizer step (``MemoryKind.HPZ_SECONDARY`` in the ledger; its peak in
+    ``engine.stats().memory.peak``): about Ψ/S elements per rank for a
+    model of Ψ, N/S times what the primary shards take, against the gathers
+    it keeps in the node.
 """
 
 from __future__ import annotations
@@ -47,14 +54,14 @@ class SecondaryPartitions:
                  memory: MemoryLedger) -> None:
         self.shards, self.group, self.step, self.memory = shards, group, step, memory
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        #: the valid slices, by parameter id (a stale one is dropped at once)
         self._slices: dict[int, torch.Tensor] = {}
-        self._valid: set[int] = set()
 
     def split(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
         """(gathered over every rank, gathered from the secondary slices): the second only in backward."""
         if self.step.phase is not Phase.BACKWARD:
             return list(pids), []
-        return [p for p in pids if p not in self._valid], [p for p in pids if p in self._valid]
+        return [p for p in pids if p not in self._slices], [p for p in pids if p in self._slices]
 
     def sources(self, pids: Sequence[int]) -> list[torch.Tensor]:
         """What this rank gives to a gather of ``pids`` from the slices."""
@@ -65,17 +72,16 @@ class SecondaryPartitions:
         if not (self.step.phase is Phase.FORWARD and self.step.tracing):
             return
         for pid in pids:
-            if pid in self._valid:
+            if pid in self._slices:
                 continue
             shard = self.shards[pid]
             n = shard.padded_numel // self.size
-            kept = self._slices.get(pid)
-            if kept is None:
-                kept = self._slices[pid] = shard.full.new_empty(n)
-                self.memory.allocate(MemoryKind.HPZ_SECONDARY, tensor_bytes(kept))
-            kept.copy_(shard.full[self.rank * n : (self.rank + 1) * n])
-            self._valid.add(pid)
+            kept = self._slices[pid] = shard.full[self.rank * n : (self.rank + 1) * n].clone()
+            self.memory.allocate(MemoryKind.HPZ_SECONDARY, tensor_bytes(kept))
 
-    def invalidate(self) -> None:
-        """The shards changed (an optimizer step, a load): every slice is stale."""
-        self._valid.clear()
+    def invalidate(self, pids: Iterable[int]) -> None:
+        """The shards of ``pids`` changed: their slices are stale, and freed (see the Note on validity)."""
+        for pid in pids:
+            kept = self._slices.pop(pid, None)
+            if kept is not None:
+                self.memory.free(MemoryKind.HPZ_SECONDARY, tensor_bytes(kept))

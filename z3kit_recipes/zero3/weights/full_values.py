@@ -18,12 +18,14 @@ from torch import nn
 from z3kit.collectives import broadcast
 from z3kit.shard import fill_partition
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
+from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers, state_dict_names
 
 
 def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full parameter values and persistent buffers by name, on CPU
-    (collective: every rank calls it), gathered one parameter at a time.
+    (collective: every rank calls it), gathered one parameter at a time:
+    the names and order of a plain model's ``state_dict()`` (a module or a
+    tensor registered under several names is under each of them, one tensor).
 
     Trainable parameters come from the fp32 master shards (in bf16 runs
     too, so a checkpoint keeps full precision); frozen ones in their
@@ -32,20 +34,25 @@ def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str
     """
     engine.check_idle("full_state_dict")
     keep = not rank0_only or engine.rank == 0
-    out: dict[str, torch.Tensor] = {}
-    for pid, name in enumerate(engine.param_names):
+    names = names_by_param(engine.module)
+    found: dict[str, torch.Tensor] = {}
+    for pid, shard in enumerate(engine.shards):
         full = engine.layout.gather_full(pid, engine.topology.shard_group, engine.log)
-        if keep:
-            out[name] = full.view(engine.shards[pid].shape).to("cpu", copy=True)
-    if keep:
-        out.update({name: b.detach().to("cpu", copy=True) for name, b in persistent_buffers(engine.module).items()})
-    return out
+        if keep:  # one tensor under each of its names, as state_dict gives it
+            value = full.view(shard.shape).to("cpu", copy=True)
+            found.update(dict.fromkeys(names[id(shard.param)], value))
+    if not keep:
+        return {}
+    buffers = persistent_buffers(engine.module)
+    copies = {id(b): b.detach().to("cpu", copy=True) for b in buffers.values()}
+    found.update({name: copies[id(b)] for name, b in buffers.items()})
+    return {name: found[name] for name in state_dict_names(engine.module, buffers)}
 
 
 def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
     """Rank ``src``'s full values of ``pids`` (gathered, maybe changed there)
     into every rank's shards and masters, one parameter at a time (broadcast
-    in place: the gathered copies are dropped right after)."""
+    in place). The caller then reports the change (``engine.shards_changed``)."""
     master_of = {} if engine.layout.masters_are_shards else engine.layout.master_of()
     for pid in pids:
         shard = engine.shards[pid]
@@ -55,7 +62,6 @@ def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
         master = master_of.get(pid)
         if master is not None:
             fill_partition(master.data, full, shard.rank, shard.world)
-    engine.coordinator.discard(p for p in pids if engine.coordinator.persistent[p])
 
 
 @contextlib.contextmanager
@@ -76,9 +82,13 @@ def gathered(
     # pinned for the whole block: whatever runs inside it (a forward on one
     # rank only, say) finds them gathered and needs no collective for them
     engine.coordinator.pin(pids)
+    adopted = False
     try:
         yield [engine.shards[p].param for p in pids]
         if modifier_rank is not None:
             adopt_full_values(engine, pids, modifier_rank)
+            adopted = True
     finally:
         engine.coordinator.unpin(pids)
+    if adopted:  # after unpin: what this block gathered is freed, not gathered again
+        engine.shards_changed(pids)

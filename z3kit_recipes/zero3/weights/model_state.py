@@ -180,8 +180,11 @@ class ModelStateHooks:
                 raise ValueError(
                     f"model.load_state_dict() got other values on rank(s) {differ} than on rank 0: every rank must "
                     "load the same state dict (each rank writes its own shard from it); nothing was loaded")
-            engine.shards_changed()
-            engine.layout.fill(list(fulls), [f.to(engine.device) for f in fulls.values()])
+            engine.synchronize()  # a refresh of the persistent parameters may still read the shards
+            for pid, full in fulls.items():
+                start, stop = engine.layout.local_range(pid)
+                engine.layout.fill_local(pid, full[start:stop].to(engine.device))
+            engine.shards_changed(list(fulls))
         for key in entries:
             del state_dict[key]
         self._taken = set(entries)

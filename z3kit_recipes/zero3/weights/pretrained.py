@@ -25,6 +25,8 @@ GPT-2): the files then hold the layout's names, transposed where it says.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -65,6 +67,43 @@ def names_by_param(module: nn.Module) -> dict[int, list[str]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), []).append(name)
     return out
+
+
+def state_dict_names(module: nn.Module, buffers: Iterable[str]) -> list[str]:
+    """The names ``module.state_dict()`` lists, in its order: each module's
+    parameters, then its persistent buffers (``buffers``), then its
+    children's, under every path to a module registered under several names
+    and every name of a tied tensor."""
+    persistent = set(buffers)
+    out: list[str] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out += [dot + n for n, _ in sub.named_parameters(recurse=False, remove_duplicate=False)]
+        out += [dot + n for n, _ in sub.named_buffers(recurse=False, remove_duplicate=False) if dot + n in persistent]
+    return out
+
+
+def declared_tied(module: nn.Module) -> list[str]:
+    """The patterns of the names a Hugging Face model declares tied
+    (``_tied_weights_keys`` of it and its submodules, a dict of target to
+    source or a list, prefixed with the submodule's name)."""
+    out: list[str] = []
+    for prefix, sub in module.named_modules():
+        declared = getattr(sub, "_tied_weights_keys", None) or ()
+        out += [f"{prefix}.{key}" if prefix else str(key) for key in declared]
+    return out
+
+
+def names_written(names: Sequence[str], tied: Sequence[str]) -> list[str]:
+    """The names of one tensor that ``save_pretrained`` writes: every one,
+    less those Hugging Face drops as declared tied (transformers'
+    ``save_pretrained``: in sorted order, each name matching a pattern of
+    ``tied`` is dropped while another name is left)."""
+    dropped: set[str] = set()
+    for name in sorted(names):
+        if len(dropped) + 1 < len(names) and any(re.search(pattern, name) for pattern in tied):
+            dropped.add(name)
+    return [n for n in names if n not in dropped]
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -161,8 +200,16 @@ def save_pretrained(
     group, rank = engine.topology.shard_group, engine.rank  # the gathers are the shard group's
     names = names_by_param(engine.module)
     buffers = persistent_buffers(engine.module)
-    sources: dict[str, int | torch.Tensor] = {names[id(s.param)][0]: pid for pid, s in enumerate(engine.shards)}
+    # every name a plain model's state_dict lists, less those Hugging Face drops as declared tied; with a
+    # layout, the other architecture's names: one per parameter (it knows its own tied names)
+    tied = declared_tied(engine.module)
+    sources: dict[str, int | torch.Tensor] = {
+        name: pid for pid, s in enumerate(engine.shards)
+        for name in (names_written(names[id(s.param)], tied) if layout is None else names[id(s.param)][:1])
+    }
     sources.update(buffers)
+    if layout is None:  # in the order of the model's state_dict
+        sources = {name: sources[name] for name in state_dict_names(engine.module, buffers) if name in sources}
     if layout is not None:
         layout.check_covers(sources, f"save_pretrained({path})")
     planned = []
