@@ -44,7 +44,7 @@ class Sequences(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--ddp", action="store_true", help="plain Trainer (DDP) instead of z3kit")
@@ -52,8 +52,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", default=None, help="a DeepSpeed JSON: z3kit's config; with --ddp, its optimizer "
                         "(AdamW, decay on every parameter) and DeepSpeed's own WarmupLR, as DeepSpeed would run it")
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def train(opts: argparse.Namespace) -> None:
+    """One run: train, save the model, and (rank 0) write the log history."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -85,6 +88,10 @@ def main() -> None:
     if args.process_index == 0:
         with open(os.path.join(opts.out, "history.json"), "w", encoding="utf-8") as f:
             json.dump(trainer.state.log_history, f)
+
+
+def main() -> None:
+    train(parse())
     # torch 2.13 with gloo can abort in process-group teardown: end without it, after every rank is done
     dist.barrier()
     os._exit(0)

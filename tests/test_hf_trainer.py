@@ -12,7 +12,6 @@ DDP's weights. Settings the engine cannot honour are refused by name.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "hf_trainer.py"
+DRIVER = REPO / "tests" / "hf_trainer_runs.py"
 DS_JSON = REPO / "tests" / "data" / "ds_config_zero3.json"
 
 
-def _torchrun(out: Path, *flags: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           "--out", str(out), *flags]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+def _torchrun(script: Path, *args: str, timeout: float) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
-    history: list[dict[str, Any]] = json.loads((out / "history.json").read_text())
-    return history
 
 
 def _curve(history: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -43,15 +40,20 @@ def _curve(history: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The example's runs, in one launch (``tests/hf_trainer_runs.py``); the
+    z3kit run alone is launched as a user runs the example, by its own ``main``."""
     root = tmp_path_factory.mktemp("hf_trainer")
-    _torchrun(root / "ddp", "--ddp")
-    _torchrun(root / "z3kit")
+    _torchrun(SCRIPT, "--out", str(root / "z3kit"), timeout=240)
     resumed = root / "resumed"
-    shutil.copytree(root / "z3kit", resumed, ignore=shutil.ignore_patterns("checkpoint-4", "history.json"))
-    _torchrun(resumed, "--resume")
-    # Hugging Face's documented ZeRO-3 JSON, unedited, against what DeepSpeed builds from it on DDP
-    _torchrun(root / "json", "--json", str(DS_JSON))
-    _torchrun(root / "json_ddp", "--json", str(DS_JSON), "--ddp")
+    steps = [
+        ["--out", str(root / "ddp"), "--ddp"],
+        ["copy", str(root / "z3kit"), str(resumed), "checkpoint-4", "history.json"],
+        ["--out", str(resumed), "--resume"],
+        # Hugging Face's documented ZeRO-3 JSON, unedited, against what DeepSpeed builds from it on DDP
+        ["--out", str(root / "json"), "--json", str(DS_JSON)],
+        ["--out", str(root / "json_ddp"), "--json", str(DS_JSON), "--ddp"],
+    ]
+    _torchrun(DRIVER, json.dumps(steps), timeout=400)
     return {"ddp": root / "ddp", "z3kit": root / "z3kit", "resumed": resumed, "json": root / "json",
             "json_ddp": root / "json_ddp"}
 
