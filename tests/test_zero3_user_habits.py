@@ -23,7 +23,7 @@ SHARDED = {"param_persistence_threshold": 0}
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 # -- clipping ---------------------------------------------------------------------------------------
@@ -295,3 +295,24 @@ def test_peft_adapter_saves_and_reloads(pools: PoolSet, tmp_path: Any) -> None:
     assert 0 < r["sent"] <= r["adapter_bytes"] < r["all_bytes"] / 10
     for name, want in r["want"].items():
         torch.testing.assert_close(r["adapter"][name], want, rtol=1e-5, atol=1e-6)
+
+
+def _gathered_alone_worker(ctx: WorkerContext, path: str) -> dict[str, Any]:
+    """DeepSpeed's habit: gather everything, then rank 0 alone reads the model's state_dict."""
+    engine, ref, model = build_pair(ctx, Case("mlp", SHARDED))
+    b = vec_batch(ctx.rank, 0, 0, 0)
+    engine.backward(vec_loss(model, b, 0))
+    engine.step()
+    ref.micro_step([b], 0, 0)
+    ref.step()
+    with engine.gathered_parameters():
+        if ctx.rank == 0:
+            torch.save(model.state_dict(), path)
+    torch.distributed.barrier(ctx.group)
+    return {"saved": torch.load(path), "ref": ref.params()}
+
+
+def test_state_dict_inside_gathered_parameters_on_one_rank(pools: PoolSet, tmp_path: Any) -> None:
+    for r in pools.run(2, _gathered_alone_worker, str(tmp_path / "sd.pt")):
+        for name, want in r["ref"].items():
+            torch.testing.assert_close(r["saved"][name], want, rtol=1e-5, atol=1e-6)

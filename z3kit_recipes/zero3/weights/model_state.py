@@ -12,8 +12,9 @@ Note: what ``model.state_dict()`` holds.
       time (collective: every rank calls it, and the ranks meet first on
       the notice board, as eval forwards do, so that a rank that calls it
       alone gets an error naming what the others did, never gathers paired
-      with theirs), copied to CPU in the compute dtype. Tied names share one
-      copy, as they share one parameter.
+      with theirs; inside ``engine.gathered_parameters()``, where nothing is
+      left to gather, one rank may call it alone), copied to CPU in the
+      compute dtype. Tied names share one copy, as they share one parameter.
     - A frozen parameter: a ``Withheld`` tensor (``z3kit.withheld``) that
       refuses every read, naming ``engine.full_state_dict()`` and
       ``engine.save_pretrained``. Frozen weights are the base model the
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from z3kit.shard import ParamStatus
 from z3kit.withheld import Withheld
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.together import Together
@@ -106,7 +108,8 @@ class ModelStateHooks:
             if outermost:
                 self.engine.check_idle("model.state_dict()")
                 self._copies = {}
-                self._enter_meeting(self._what(module, "state_dict()"))
+                if not self._all_gathered(module):  # inside gathered_parameters() a rank may save alone
+                    self._enter_meeting(self._what(module, "state_dict()"))
             trainable = set(self.engine.trainable)
             pids = sorted({pid for _, pid in self._own(module) if pid in trainable})
             self.engine.coordinator.pin(pids)
@@ -142,6 +145,12 @@ class ModelStateHooks:
             if self._saving == 0:
                 self._copies = {}
                 self._leave_meeting()
+
+    def _all_gathered(self, module: nn.Module) -> bool:
+        """Every trainable parameter under ``module`` is gathered already: its state needs no collective."""
+        trainable = set(self.engine.trainable)
+        return all(self.engine.shards[pid].status is ParamStatus.AVAILABLE
+                   for p in module.parameters() if (pid := self._index.get(id(p))) is not None and pid in trainable)
 
     def _enter_meeting(self, what: str) -> None:
         self._meeting.enter_context(self.engine.parts.meeting.collective_call(what))
