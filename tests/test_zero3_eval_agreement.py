@@ -14,6 +14,13 @@ steps match DDP's.
   compares nothing.
 * Two ranks that leave a recorded trace at the same fetch doing different
   things raise at once, not after ``collective_timeout_s``.
+* Under NCCL's waiting semantics (``tests.accelerator_double``) the
+  comparisons are read at the end of each eval forward, with no host sync
+  of their own; a divergent eval forward whose gathers still pair is
+  refused there on every rank, and the engine stops (its gathers may have
+  paired wrongly). One whose gathers differ in size fails inside the
+  backend first (on the double, gloo underneath aborts the process), so
+  that case is not run here.
 """
 
 from __future__ import annotations
@@ -42,10 +49,14 @@ class SkipModel(nn.Module):
         self.nxt = nn.Linear(HIDDEN, HIDDEN, bias=same_size)
         self.head = nn.Linear(HIDDEN, D_OUT)
         self.skip = False
+        #: run ``nxt`` where ``mid`` would run
+        self.swap = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        if not self.skip:
+        if self.swap:
+            h = torch.tanh(self.nxt(h))
+        elif not self.skip:
             h = torch.tanh(self.mid(h))
         return self.head(torch.tanh(self.nxt(h)))
 
@@ -256,3 +267,48 @@ def test_eval_fetch_comparisons_are_read_once_per_forward_on_accelerators(pools:
     last_forward = [(n, dtype) for _, n, dtype in next(iter(results[0]["issued"].values()))][-9:]
     check = (5, "torch.int64")
     assert last_forward[::2] == [check] * 5 and check not in last_forward[1::2], last_forward
+
+
+
+def run_double_swap(ctx: WorkerContext) -> dict[str, Any]:
+    """On a z3sim group rank 1's eval forward runs ``nxt`` where rank 0 runs
+    ``mid`` (the same size, so the gathers pair): read at the forward's end,
+    every rank raises, and the engine refuses from then on."""
+    from tests import accelerator_double as double
+    from z3kit_recipes import zero3
+
+    group = double.new_group(list(range(ctx.world)))
+    out: dict[str, Any] = {}
+    with double.DOUBLE.observing(strict=False):
+        torch.manual_seed(0)
+        model = SkipModel(True)
+        config = zero3.Zero3Config(param_persistence_threshold=0, collective_timeout_s=30)
+        engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-2), config, group)
+        b = vec_batch(ctx.rank, 0, 0, 0)
+        engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+        engine.step()
+        model.swap = ctx.rank == 1
+        started = time.monotonic()
+        out["caught"] = out["after"] = None
+        try:
+            with torch.no_grad():
+                engine(b["x"])
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out["caught"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.monotonic() - started
+        model.swap = False
+        try:
+            engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out["after"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_divergent_eval_forward_on_accelerators_is_refused_at_its_end(pools: Any) -> None:
+    results = pools.run(2, run_double_swap, timeout=120)
+    for rank, r in enumerate(results):
+        caught = r["caught"]
+        assert caught is not None and caught.startswith("RanksDisagree"), (rank, caught)
+        assert "eval or no_grad forward" in caught and ("'mid'" if rank == 0 else "'nxt'") in caught, (rank, caught)
+        assert r["seconds"] < 10, (rank, r["seconds"])
+        assert r["after"] is not None and r["after"].startswith("RankFailed") and "restart" in r["after"], (rank, r)

@@ -244,11 +244,16 @@ def issue_fetch_check(
     return FetchCheck(micro_step, index, fetch, all_gather(everyone, mine, group, async_op=True), everyone, untraced)
 
 
-def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck]) -> bool:
+def settle_fetch_checks(
+    group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck], *, exchange_names: bool = True
+) -> bool:
     """Read ``checks`` in one copy to the host; raises ``RanksDisagree`` on
     every rank at the first fetch the ranks did differently (collective:
-    every rank settles the same checks at the same point). Returns whether
-    the read had to wait for the device."""
+    every rank settles the same checks at the same point; the names the
+    ranks fetched there are exchanged in one more, unless ``exchange_names``
+    is False: read late, the ranks' collectives may no longer pair, and the
+    message names the others' fetches by size). Returns whether the read
+    had to wait for the device."""
     if not checks:
         return False
     for check in checks:
@@ -261,16 +266,20 @@ def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[Fe
         table = words[n * per_check : (n + 1) * per_check]
         rows = [table[r * (per_check // world) : (r + 1) * (per_check // world)] for r in range(world)]
         if any(row != rows[0] for row in rows):
-            _explain_fetch(group, check)
+            _explain_fetch(group, check, rows if not exchange_names else None)
     return copy.blocked
 
 
-def _explain_fetch(group: ProcessGroup, check: FetchCheck) -> None:
+def _explain_fetch(group: ProcessGroup, check: FetchCheck, rows: list[list[int]] | None) -> None:
     world = dist.get_world_size(group)
     fetches: list[tuple[str, int] | None] = [None] * world
-    dist.all_gather_object(fetches, check.fetch, group=group)
-    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else f"rank {r} has finished its forward"
-           for r, f in enumerate(fetches)]
+    if rows is None:
+        dist.all_gather_object(fetches, check.fetch, group=group)
+    else:  # (micro-step, index, name hash, elements, untraced) of each rank: this rank's name, the others' sizes
+        fetches[dist.get_rank(group)] = check.fetch
+    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else
+           f"rank {r} has finished its forward" if rows is None or rows[r][3] < 0 else
+           f"rank {r} fetches another module ({rows[r][3]:,} elements)" for r, f in enumerate(fetches)]
     if check.untraced:
         raise RanksDisagree(
             f"the ranks are not running the same eval or no_grad forward: at its fetch #{check.index} (after "

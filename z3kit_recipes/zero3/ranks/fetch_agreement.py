@@ -12,12 +12,16 @@ Note: when the comparison is read.
     accelerator backend, reading each one would be a host sync per fetch;
     they are issued as the forward goes and read together, in one copy to
     the host, at the end of backward (or every ``BATCH`` fetches). A
-    disagreement then raises a little later, with the same message; the
-    gathers issued meanwhile may have mismatched, which on NCCL can stall
-    them, and the watcher turns such a stall into ``RankFailed``
-    (``zero3.ranks.rank_watch``). The engine is then stopped on every rank
-    (its communicator may hold gathers that paired wrongly); on gloo it goes
-    on, since no gather was issued with the disagreement.
+    disagreement then raises a little later; the gathers issued meanwhile
+    may have mismatched, so no collective explains it (the message names
+    this rank's module and the others' sizes), the engine stops on every
+    rank, and the rank that found it posts so on the notice board: a rank
+    whose extra gathers wait for partners that never come learns it at
+    once (``RankWatch.give_up``), and a stall the board cannot explain is
+    the watcher's (``RankFailed``, ``zero3.ranks.rank_watch``). Gathers of
+    different sizes may still fail inside the backend first. On gloo the
+    engine goes on after a disagreement in an eval forward, since no gather
+    was issued with it.
 
 Note: eval and no_grad forwards.
     Their fetches are not traced, and a rank whose eval forward takes
@@ -111,17 +115,19 @@ class FetchAgreement:
         """Read the comparisons in flight (every rank at the same point)."""
         checks, self._in_flight = self._in_flight, []
         try:
-            self.host_waits += settle_fetch_checks(self.group, self.watch.wait, checks)
+            # read late, the ranks' collectives may no longer pair: no collective to explain (see the Note)
+            self.host_waits += settle_fetch_checks(self.group, self.watch.wait, checks, exchange_names=not self.batched)
         except RanksDisagree as exc:
             if not self.batched:
                 if not checks[-1].untraced:
                     raise
                 raise RanksDisagree(f"{exc}. No gather was issued with the disagreement: the engine goes on, "
                                     "and its next forward runs as usual") from None
-            # gathers issued after the first differing fetch may have paired wrongly (see the Note)
-            self.watch.broken = (f"{exc}. Gathers issued before the comparison was read may have paired wrongly, "
-                                 "so the engine stops on every rank: restart from the last checkpoint")
-            raise RanksDisagree(self.watch.broken) from None
+            # gathers issued after the first differing fetch may have paired wrongly, and a rank that issued
+            # more of them waits for partners that never come: the notice board tells it at once
+            raise RanksDisagree(self.watch.give_up(
+                f"{exc}. Gathers issued before the comparison was read may have paired wrongly, so the engine "
+                "stops on every rank: restart from the last checkpoint")) from None
 
     def forget(self) -> None:
         """A forward failed: its comparisons are not read (they were issued
