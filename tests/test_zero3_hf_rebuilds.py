@@ -114,3 +114,34 @@ def test_tie_weights_that_would_move_a_sharded_parameter_is_refused(pools: Any) 
         assert "tie_weights" in caught and "lm_head.weight" in caught and "before zero3.initialize" in caught, caught
         assert r["untouched"] and not r["tied"], (rank, r)
         _assert_like_ddp(r)
+
+
+
+def run_guards_lifetime(ctx: WorkerContext) -> dict[str, Any]:
+    import gc
+    import time
+    import weakref
+
+    from z3kit_recipes import zero3
+
+    torch.manual_seed(0)
+    model = _model("llama", False)
+    engine = zero3.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), zero3.Zero3Config(),
+                              fresh_group(ctx))
+    guarded = [name for name in ("resize_token_embeddings", "tie_weights") if name in vars(model)]
+    twin = copy.deepcopy(model)
+    own_guard = twin.tie_weights.__self__ is twin
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(engine)
+    del engine, model, twin
+    deadline = time.monotonic() + 5.0
+    while (model_ref() is not None or engine_ref() is not None) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return {"guarded": guarded, "own_guard": own_guard, "freed": model_ref() is None and engine_ref() is None}
+
+
+def test_the_guards_keep_nothing_alive(pools: Any) -> None:
+    """Guards on the instances while the engine lives (a deepcopy of the model checks itself); a dropped
+    engine and model are freed with them."""
+    for r in pools.run(2, run_guards_lifetime):
+        assert r == {"guarded": ["resize_token_embeddings", "tie_weights"], "own_guard": True, "freed": True}, r

@@ -22,6 +22,7 @@ removed when the engine is freed.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,21 +49,21 @@ def _refusal(method: str, what: str) -> RebuildRefused:
 def guard_rebuilds(model: nn.Module) -> Callable[[], None]:
     """Put the guards on every module of ``model`` that has these methods;
     returns what removes them again (see the module docstring)."""
-    guarded: list[tuple[weakref.ref[nn.Module], str, object]] = []
+    guarded: list[tuple[weakref.ref[nn.Module], str]] = []  # weakly: the guards themselves hold their module
     for module in model.modules():
         if callable(getattr(type(module), _REFUSED, None)):
-            guard: object = _refuse_resize
-            setattr(module, _REFUSED, guard)  # not a tensor or module: a plain attribute of the instance
-            guarded.append((weakref.ref(module), _REFUSED, guard))
+            setattr(module, _REFUSED, _refuse_resize)  # not a tensor or module: a plain attribute of the instance
+            guarded.append((weakref.ref(module), _REFUSED))
         if callable(getattr(type(module), _CHECKED, None)):
-            guard = _TieGuard(module)
-            setattr(module, _CHECKED, guard)
-            guarded.append((weakref.ref(module), _CHECKED, guard))
+            # bound, so that a copy of the model (deepcopy) gets one bound to itself
+            setattr(module, _CHECKED, types.MethodType(_checked_tie, module))
+            guarded.append((weakref.ref(module), _CHECKED))
 
     def remove() -> None:
-        for ref, name, guard in guarded:
+        for ref, name in guarded:
             module = ref()
-            if module is not None and vars(module).get(name) is guard:
+            guard = None if module is None else vars(module).get(name)
+            if module is not None and getattr(guard, "__func__", guard) in (_refuse_resize, _checked_tie):
                 delattr(module, name)
 
     return remove
@@ -72,22 +73,14 @@ def _refuse_resize(*args: Any, **kwargs: Any) -> Any:
     raise _refusal(_REFUSED, "builds new embedding modules from the old weights")
 
 
-class _TieGuard:
-    """``tie_weights`` on one module, checked (see the module docstring)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = weakref.ref(module)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
-        if module is None:
-            raise ReferenceError("the model this guard belongs to is gone")
-        before = {name: (p, p.data) for name, p in module.named_parameters(remove_duplicate=False)}
-        result = getattr(type(module), _CHECKED)(module, *args, **kwargs)
-        moved = _restore(module, before)
-        if moved:
-            raise _refusal(_CHECKED, f"would change {', '.join(moved)}")
-        return result
+def _checked_tie(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``tie_weights`` on ``module``, checked (see the module docstring)."""
+    before = {name: (p, p.data) for name, p in module.named_parameters(remove_duplicate=False)}
+    result = getattr(type(module), _CHECKED)(module, *args, **kwargs)
+    moved = _restore(module, before)
+    if moved:
+        raise _refusal(_CHECKED, f"would change {', '.join(moved)}")
+    return result
 
 
 def _restore(module: nn.Module, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> list[str]:
