@@ -42,6 +42,12 @@ class RecordingAgreement:
     def left_trace(self, index: int, what: str) -> None:
         self.left.append((index, what))
 
+    def agree_untraced(self, fetch: tuple[str, int]) -> None:
+        self.agreed.append((-1, fetch))
+
+    def forget(self) -> None:
+        pass
+
 
 def _build(ctx: WorkerContext, *, overlap: bool = True, budget: int = 10_000, reuse: int = 10**9) -> dict[str, Any]:
     torch.manual_seed(0)

@@ -41,6 +41,15 @@ class RankAgreement(Protocol):
         """This rank's forward fetch ``index`` departs from the recorded trace."""
         ...
 
+    def agree_untraced(self, fetch: tuple[str, int]) -> None:
+        """Every rank is about to gather for the same fetch of an eval or
+        no_grad forward (collective where that forward's fetches are checked)."""
+        ...
+
+    def forget(self) -> None:
+        """A forward or backward raised: its comparisons in flight are not read."""
+        ...
+
 
 #: words of the header every rank sends: step, micro-step, gathers, fetch count, fingerprint (not the
 #: reductions: they follow a fixed plan, but how many of them a rank issued before the check varies)
@@ -210,26 +219,41 @@ class FetchCheck:
     fetch: tuple[str, int] | None
     pending: Pending
     everyone: torch.Tensor
+    #: a fetch of an eval or no_grad forward (numbered within it), not of a training step
+    untraced: bool = False
 
 
 def issue_fetch_check(
-    group: ProcessGroup, device: torch.device, *, micro_step: int, index: int, fetch: tuple[str, int] | None
+    group: ProcessGroup,
+    device: torch.device,
+    *,
+    micro_step: int,
+    index: int,
+    fetch: tuple[str, int] | None,
+    untraced: bool = False,
 ) -> FetchCheck:
     """Start agreeing that every rank is about to do forward fetch ``index``
     the same way (``fetch``: its name and elements; None: this rank's
-    forward is over). Collective; ``settle_fetch_checks`` reads it."""
+    forward is over; ``untraced``: of an eval or no_grad forward). Collective;
+    ``settle_fetch_checks`` reads it."""
     world = dist.get_world_size(group)
     name_hash = -1 if fetch is None else int.from_bytes(hashlib.blake2b(fetch[0].encode(), digest_size=7).digest(), "little")
-    mine = to_device([micro_step, index, name_hash, -1 if fetch is None else fetch[1]], torch.int64, device)
+    words = [micro_step, index, name_hash, -1 if fetch is None else fetch[1], int(untraced)]
+    mine = to_device(words, torch.int64, device)
     everyone = mine.new_empty(world * mine.numel())
-    return FetchCheck(micro_step, index, fetch, all_gather(everyone, mine, group, async_op=True), everyone)
+    return FetchCheck(micro_step, index, fetch, all_gather(everyone, mine, group, async_op=True), everyone, untraced)
 
 
-def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck]) -> bool:
+def settle_fetch_checks(
+    group: ProcessGroup, waiter: Waiter, checks: Sequence[FetchCheck], *, exchange_names: bool = True
+) -> bool:
     """Read ``checks`` in one copy to the host; raises ``RanksDisagree`` on
     every rank at the first fetch the ranks did differently (collective:
-    every rank settles the same checks at the same point). Returns whether
-    the read had to wait for the device."""
+    every rank settles the same checks at the same point; the names the
+    ranks fetched there are exchanged in one more, unless ``exchange_names``
+    is False: read late, the ranks' collectives may no longer pair, and the
+    message names the others' fetches by size). Returns whether the read
+    had to wait for the device."""
     if not checks:
         return False
     for check in checks:
@@ -242,16 +266,27 @@ def settle_fetch_checks(group: ProcessGroup, waiter: Waiter, checks: Sequence[Fe
         table = words[n * per_check : (n + 1) * per_check]
         rows = [table[r * (per_check // world) : (r + 1) * (per_check // world)] for r in range(world)]
         if any(row != rows[0] for row in rows):
-            _explain_fetch(group, check)
+            _explain_fetch(group, check, rows if not exchange_names else None)
     return copy.blocked
 
 
-def _explain_fetch(group: ProcessGroup, check: FetchCheck) -> None:
+def _explain_fetch(group: ProcessGroup, check: FetchCheck, rows: list[list[int]] | None) -> None:
     world = dist.get_world_size(group)
     fetches: list[tuple[str, int] | None] = [None] * world
-    dist.all_gather_object(fetches, check.fetch, group=group)
-    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else f"rank {r} has finished its forward"
-           for r, f in enumerate(fetches)]
+    if rows is None:
+        dist.all_gather_object(fetches, check.fetch, group=group)
+    else:  # (micro-step, index, name hash, elements, untraced) of each rank: this rank's name, the others' sizes
+        fetches[dist.get_rank(group)] = check.fetch
+    did = [f"rank {r} fetches {f[0]!r} ({f[1]:,} elements)" if f else
+           f"rank {r} has finished its forward" if rows is None or rows[r][3] < 0 else
+           f"rank {r} fetches another module ({rows[r][3]:,} elements)" for r, f in enumerate(fetches)]
+    if check.untraced:
+        raise RanksDisagree(
+            f"the ranks are not running the same eval or no_grad forward: at its fetch #{check.index} (after "
+            f"{check.micro_step} backward(s)), " + "; ".join(did) + "; every rank must run the same modules in the "
+            "same order in an eval forward too, since each gathers parameters collectively (an exit that depends on "
+            "a rank's data: take it on every rank alike, or set Zero3Config(divergent_graphs=True); a rank-dependent "
+            "subtree can be marked as a leaf module, gathered as one unit)")
     raise RanksDisagree(
         f"the ranks are not running the same forward: at fetch #{check.index} of micro-step {check.micro_step}, "
         + "; ".join(did)

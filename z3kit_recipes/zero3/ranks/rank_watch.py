@@ -212,7 +212,9 @@ class RankWatch:
         ((micro-step, fetch index)), doing ``what``. Ranks whose program
         changed the same way (a branch taken on every rank) all get here:
         they return and go on together. A rank that did not raises when it
-        next waits (see ``_on_notices``), and this one raises with it."""
+        next waits (see ``_on_notices``), and this one raises with it; a rank
+        that left at the same point doing something else raises at once, as
+        this one does on reading its notice."""
         if self.board is None:
             return
         self.board.post(f"{LEFT}{where[0]} {where[1]} {what}")
@@ -223,6 +225,11 @@ class RankWatch:
                 if n.message.startswith((FAILED, WAITING)):
                     self.broken = f"rank {self.rank} {departure_place(where)}: {what}; {quoted(n)}"
                     raise RankFailed(self.broken)
+            other = next(((r, did) for r, at, did in self._left if at == where and did != what), None)
+            if other is not None:
+                self.broken = (f"rank {self.rank} {departure_place(where)}: {what}; rank {other[0]} left at the same "
+                               f"point, but {other[1]}")
+                raise RankFailed(self.broken + (f"; {_TRACE_ADVICE}" if where[1] >= 0 else ""))
             alike = {r for r, at, did in self._left if at == where and did == what}
             if len(alike) == self.world - 1:
                 self._left = [entry for entry in self._left if entry[1] != where]

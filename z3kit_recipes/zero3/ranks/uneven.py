@@ -20,6 +20,15 @@ Note: why eval forwards meet.
     device sync. Forwards that gather nothing (every parameter persistent
     and gathered) need no meeting. ``engine.generate`` runs every rank in
     lockstep on the same inputs, so its forwards skip it (``lockstep``).
+
+    Meeting at the start does not make the forwards alike: a rank whose
+    eval forward takes another path (an early exit on its data) would pair
+    its gathers with the others' next ones. So each such forward's fetches
+    are also compared as they go (``FetchAgreement.open_untraced``, also
+    for an eval forward inside a training step, which does not meet), and
+    the root's post-forward reads them before the output is handed back
+    (``finish``). With ``divergent_graphs`` the fetch rounds keep such
+    forwards together instead (``zero3.training.rounds``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 from torch import nn
 
 from z3kit.hooks import in_backward, outside_graphs
+from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.step.position import EVAL_BASE
 from z3kit_recipes.zero3.step.state import StepState
@@ -52,8 +62,11 @@ class EvalMeeting:
         step: StepState,
         *,
         gathers_needed: Callable[[], bool],
+        fetches: FetchAgreement | None,
     ) -> None:
         self.watch, self.gathers_needed = watch, gathers_needed
+        #: compares the forward's fetches (None: rank-divergent graphs, whose rounds keep the ranks together)
+        self.fetches = fetches
         #: where this rank is: the eval forward under way is written into its position
         self.step = step
         self._counted_at = -1  # the micro-step whose eval forwards ``_count`` counts
@@ -73,10 +86,22 @@ class EvalMeeting:
 
     def _before_forward(self, root: nn.Module) -> None:
         self.step.position.eval_forward = None
-        if (torch.is_grad_enabled() and root.training) or in_backward() or self.step.in_step:
-            return  # a training forward, a checkpoint recomputation, or inside a step: the step's own checks hold
-        if self._lockstep or self.watch.board is None or not self.gathers_needed():
+        if (torch.is_grad_enabled() and root.training) or in_backward():
+            return  # a training forward, or a checkpoint recomputation: the step's own checks hold
+        if self._lockstep or not self.gathers_needed():
             return
+        if not self.step.in_step and self.watch.board is not None:  # inside a step the step's own checks place it
+            self._meet()
+        if self.fetches is not None:
+            self.fetches.open_untraced()
+
+    def finish(self) -> None:
+        """The root's post-forward of an eval or no_grad forward: its fetch
+        comparisons read, on every rank, before its output is handed back."""
+        if self.fetches is not None:
+            self.fetches.close_untraced()
+
+    def _meet(self) -> None:
         position = self._next_position()
         self.step.position.eval_forward = position
         self.watch.left_trace((self.step.micro_step, position), f"ran an eval or no_grad forward (#{self._count} "

@@ -203,6 +203,7 @@ def assemble(
         module, watch, state,
         # a gather in flight (persistent ones refreshed after a step) was issued by every rank alike
         gathers_needed=lambda: any(s.status is ParamStatus.NOT_AVAILABLE for s in layout.shards),
+        fetches=None if rounds is not None else agreement,
     )
 
     # the gradient path, and the module hooks that drive both paths (the backward pass makes them)

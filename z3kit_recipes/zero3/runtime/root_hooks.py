@@ -264,6 +264,8 @@ class RootForward:
         try:
             if contexts is not None:
                 contexts.close()
+            if untraced:
+                self.parts.meeting.finish()  # its fetches compared, before its output is handed back
         except BaseException as exc:
             self._abort("forward", exc)
             raise

@@ -62,6 +62,10 @@ class Zero3Stats:
     #: the engine's own host syncs since it was built: reads of a step check or of fetch
     #: comparisons that had to wait for the device (0 on CPU; see ``zero3.training.step_checks``)
     host_waits: int = 0
+    #: fetch comparisons the ranks made since the engine was built: one small all-gather each, in
+    #: training forwards no recorded trace vouches for, and per gathering fetch of an eval forward
+    #: plus one at its end (``zero3.ranks.fetch_agreement``); not in ``collectives``
+    fetch_checks: int = 0
     #: fp16: the current loss scale, and the optimizer steps skipped for an overflow (``zero3.training.loss_scale``;
     #: its one host read per optimizer step counts in ``host_waits`` off the CPU)
     loss_scale: float | None = None
@@ -168,6 +172,7 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         memory_plan=parts.memory_plan,
         compile=parts.forward_context.stats(),
         host_waits=parts.backward.host_waits() + (0 if scaler is None or parts.device.type == "cpu" else scaler.host_reads),
+        fetch_checks=parts.backward.agreement.issued,
         loss_scale=None if scaler is None else scaler.scale,
         skipped_steps=0 if scaler is None else scaler.skipped,
         link_bytes=last.link_bytes,

@@ -6,6 +6,10 @@ the compute dtype on the device, and rank 0's are broadcast before each
 training forward, as DDP does; the list of buffers is kept between steps
 and made again only when a buffer is registered.
 
+Hugging Face's ``resize_token_embeddings`` and ``tie_weights`` are guarded
+(``zero3.training.model_rebuilds``): refused by name where they would
+change the sharded parameters.
+
 Torch's global registration hooks say when something may have changed, so
 the full check of the model's parameters runs only then. The hooks hold the
 watch weakly and go away with it.
@@ -21,6 +25,7 @@ from torch import nn
 from torch.nn.modules import module as module_registry
 
 from z3kit.collectives import Blocker, CollectiveLog, ProcessGroup, broadcast
+from z3kit_recipes.zero3.training.model_rebuilds import guard_rebuilds
 
 
 def place_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -61,6 +66,7 @@ class ModelWatch:
             (module_registry.register_module_buffer_registration_hook, on_buffer),
         ):
             weakref.finalize(self, register(hook).remove)
+        weakref.finalize(self, guard_rebuilds(module))
 
     def check_parameters(self) -> None:
         """Refuse a model whose parameters changed after initialize."""

@@ -62,6 +62,8 @@ class ParamCoordinator:
         self.step = step
         #: rank-divergent graphs: every gather is a round (``zero3.training.rounds``); no agreement, trace checks or prefetch
         self.rounds = rounds
+        #: where the ranks agree on fetches (also those of eval forwards, ``agree_untraced``)
+        self.ranks = ranks
         self.persistent = [policy.is_persistent(n) for n in self.numels]
         self.units = FetchUnits(module_params, self.numels)
         #: the trace, forward log and backward schedule of the step, and the ranks' agreement on them
@@ -110,6 +112,7 @@ class ParamCoordinator:
         run together, since they may never finish)."""
         if ranks_broken:
             self.gatherer.abandon_inflight()
+        self.ranks.forget()
         self.release_all()
         self.traced.abort()
 
@@ -117,13 +120,21 @@ class ParamCoordinator:
     def fetch(self, module: nn.Module) -> None:
         """Pre-forward: the module's parameters, gathered, held. In a traced
         step the fetch is also an entry of the backward schedule, and unless
-        the recorded trace vouches for it, the ranks agree on it first."""
+        the recorded trace vouches for it, the ranks agree on it first; in an
+        eval or no_grad forward they agree on each fetch that gathers
+        (``zero3.ranks.fetch_agreement``)."""
         forward = self.step.tracing and not in_backward()
         if forward:
             self.traced.forward_fetch(module)
         elif in_backward():
             self.traced.backward_fetch(module)
+        elif self._gathers(self.module_params[module]):
+            self.ranks.agree_untraced((self.units.name(module), self.units.numel(module)))
         self._fetch_entry(module, traced=forward)
+
+    def _gathers(self, pids: list[int]) -> bool:
+        """Fetching ``pids`` issues a gather (one is not gathered, nor in flight)."""
+        return any(self.shards[p].status is ParamStatus.NOT_AVAILABLE for p in pids)
 
     def forward_exit(self, module: nn.Module, output: Any) -> None:
         """Post-forward: in a traced step, an output that needs no gradient means
@@ -264,4 +275,7 @@ class ParamCoordinator:
             self.units.join(user, pid)
             self.holds.joined(user, pid)
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
+            if not (self.step.tracing or in_backward()) and self._gathers([pid]):
+                self.ranks.agree_untraced((f"parameter #{pid} used in {self.units.name(user)}" if user is not None
+                                           else f"parameter #{pid}", self.numels[pid]))
             self._ensure_gathered([pid])
