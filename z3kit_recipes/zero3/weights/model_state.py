@@ -74,15 +74,26 @@ class ModelStateHooks:
         self._loading = 0
         self._taken: set[str] = set()
         self.handles: list[Any] = []
+        # plain functions, not bound methods: torch marks a post-hook, and a deepcopy of the model copies
+        # functions by reference (a bound method would be deep-copied with this object and its engine)
+        def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            self._before_save(module, prefix, keep_vars)
+
         def after_save(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-            self._after_save(module, state_dict, prefix, local_metadata)  # a function: torch marks it
+            self._after_save(module, state_dict, prefix, local_metadata)
+
+        def before_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
+            self._before_load(module, state_dict, prefix)
+
+        def after_load(module: nn.Module, incompatible: Any) -> None:
+            self._after_load(module, incompatible)
 
         for module in engine.module.modules():
             self.handles += [
-                module.register_state_dict_pre_hook(self._before_save),
+                module.register_state_dict_pre_hook(before_save),
                 module.register_state_dict_post_hook(after_save),
-                module.register_load_state_dict_pre_hook(self._before_load),
-                module.register_load_state_dict_post_hook(self._after_load),
+                module.register_load_state_dict_pre_hook(before_load),
+                module.register_load_state_dict_post_hook(after_load),
             ]
 
     def _own(self, module: nn.Module) -> Iterator[tuple[str, int]]:
@@ -159,9 +170,7 @@ class ModelStateHooks:
         self._meeting.close()
 
     # -- load_state_dict -----------------------------------------------------------------------------
-    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
-                     strict: bool, missing_keys: list[str], unexpected_keys: list[str],
-                     error_msgs: list[str]) -> None:
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         self._loading += 1
         if self._loading > 1:
             return  # the outermost call took every entry of the subtree
