@@ -316,3 +316,38 @@ def test_state_dict_inside_gathered_parameters_on_one_rank(pools: PoolSet, tmp_p
     for r in pools.run(2, _gathered_alone_worker, str(tmp_path / "sd.pt")):
         for name, want in r["ref"].items():
             torch.testing.assert_close(r["saved"][name], want, rtol=1e-5, atol=1e-6)
+
+
+def _alone_in_barrier_worker(ctx: WorkerContext) -> dict[str, Any]:
+    """Rank 0 saves alone while rank 1 waits in the user's own barrier: rank 0 warns early, then raises."""
+    import warnings
+
+    from z3kit_recipes.zero3 import RankFailed
+    from z3kit_recipes.zero3.ranks import rank_watch
+
+    user_group = fresh_group(ctx)
+    engine, _, model = build_pair(ctx, Case("mlp", {**SHARDED, "collective_timeout_s": 4}),
+                                  process_group=fresh_group(ctx))
+    patience, rank_watch.PATIENCE_S = rank_watch.PATIENCE_S, 1.0
+    out: dict[str, Any] = {"error": None, "warned": []}
+    try:
+        if ctx.rank == 0:
+            started = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    model.state_dict()
+                except RankFailed as exc:
+                    out["error"] = str(exc)
+            out["seconds"] = time.monotonic() - started
+            out["warned"] = [str(w.message) for w in caught if "has waited" in str(w.message)]
+        torch.distributed.barrier(user_group)  # the user's own barrier: rank 0 reaches it after its error
+    finally:
+        rank_watch.PATIENCE_S = patience
+    return out
+
+
+def test_state_dict_on_rank_0_while_the_others_wait_in_a_barrier(pools: PoolSet) -> None:
+    r = pools.run(2, _alone_in_barrier_worker)[0]
+    assert len(r["warned"]) == 1 and "rank(s) [1] have not done the same" in r["warned"][0], r["warned"]
+    assert r["error"] is not None and "state_dict()" in r["error"] and 4 <= r["seconds"] < 12, r

@@ -53,6 +53,8 @@ WAITING = "waiting: "
 LEFT = "left: "
 #: how long a rank that found trouble gives the others to post their side
 ANSWER_S = 3.0
+#: how long a rank waits at a meeting before it warns that some ranks have not come
+PATIENCE_S = 10.0
 #: what trace departures (index >= 0) advise
 _TRACE_ADVICE = ("every rank must run the same modules in the same order (a rank-dependent subtree can be marked as a "
                  "leaf module, gathered as one unit)")
@@ -218,7 +220,8 @@ class RankWatch:
         if self.board is None:
             return
         self.board.post(f"{LEFT}{where[0]} {where[1]} {what}")
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline, warned = started + self.timeout_s, False
         while time.monotonic() < deadline:
             for n in self.board.unread():
                 self._remember(n)
@@ -234,6 +237,12 @@ class RankWatch:
             if len(alike) == self.world - 1:
                 self._left = [entry for entry in self._left if entry[1] != where]
                 return
+            if not warned and PATIENCE_S < self.timeout_s and time.monotonic() - started > PATIENCE_S:
+                warned = True  # a rank blocked outside the engine (the user's barrier) cannot answer: say so early
+                missing = sorted(set(range(self.world)) - alike - {self.rank})
+                warnings.warn(f"z3kit: rank {self.rank} has waited {PATIENCE_S:.0f} s: it {what}; rank(s) {missing} "
+                              f"have not done the same. If they never will, this raises after collective_timeout_s "
+                              f"({self.timeout_s:.0f} s)", RuntimeWarning, stacklevel=2)
             time.sleep(0.002)
         self._fail_together(f"rank {self.rank} {departure_place(where)}: {what}; the others did not do the same "
                             f"within {self.timeout_s:.0f} s (collective_timeout_s)")
