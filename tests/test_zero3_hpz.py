@@ -9,14 +9,14 @@ with DDP in ``test_zero3_parity``). Every run is real: 4 gloo ranks as 2
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_pool import PoolSet, WorkerContext, fresh_group
+from tests.dist_pool import PoolSet, WorkerContext
+from tests.two_nodes import two_node_engine
 from tests.zero3_models import WORKLOADS
 from z3kit.collectives import CollectiveKind
 from z3kit_recipes import zero3
@@ -26,17 +26,7 @@ STEPS = 3
 
 
 def _engine(ctx: WorkerContext, workload: str, **config: Any) -> Any:
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # torchrun's; read at initialize (traffic by link, "node")
-    try:
-        torch.manual_seed(0)
-        return zero3.initialize(WORKLOADS[workload].build(), lambda p: torch.optim.AdamW(p, lr=3e-3),
-                                zero3.Zero3Config(**config), fresh_group(ctx))
-    finally:
-        if saved is None:
-            del os.environ["LOCAL_WORLD_SIZE"]
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return two_node_engine(ctx, workload, config, lr=3e-3)
 
 
 def _backward_traffic(engine: Any, loss: torch.Tensor) -> dict[str, int]:

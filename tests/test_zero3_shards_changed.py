@@ -13,16 +13,15 @@ ranks as 2 "nodes" of 2.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_pool import PoolSet, WorkerContext, fresh_group
+from tests.dist_pool import PoolSet, WorkerContext
+from tests.two_nodes import two_node_engine
 from tests.zero3_models import WORKLOADS
-from z3kit_recipes import zero3
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 
 #: nothing persistent, nothing held from forward to backward: every gather reads the shards
@@ -39,17 +38,7 @@ VARIANTS = {
 
 
 def _engine(ctx: WorkerContext, workload: str, config: dict[str, Any]) -> Any:
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # torchrun's: 2 "nodes" of 2 ranks
-    try:
-        torch.manual_seed(0)
-        return zero3.initialize(WORKLOADS[workload].build(), lambda p: torch.optim.AdamW(p, lr=3e-2),
-                                zero3.Zero3Config(**config), fresh_group(ctx))
-    finally:
-        if saved is None:
-            del os.environ["LOCAL_WORLD_SIZE"]
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return two_node_engine(ctx, workload, config, lr=3e-2)
 
 
 def _micro(ctx: WorkerContext, engine: Any, workload: str, step: int, m: int) -> float:

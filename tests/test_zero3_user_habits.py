@@ -17,13 +17,24 @@ import pytest
 import torch
 
 from tests.dist_pool import PoolSet, WorkerContext, fresh_group
-from tests.zero3_models import WORKLOADS, Case, DDPReference, build_pair, hf_batch, hf_loss, vec_batch, vec_loss
+from tests.zero3_models import WORKLOADS, Case, build_pair, hf_batch, hf_loss, vec_batch, vec_loss
 
 SHARDED = {"param_persistence_threshold": 0}
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _train_both(ctx: WorkerContext, engine: Any, ref: Any, model: Any, workload: str, steps: range) -> None:
+    """Optimizer steps of ``workload`` on the engine's model and on its DDP twin, one micro-step each."""
+    wl = WORKLOADS[workload]
+    for step in steps:
+        b = wl.batch(ctx.rank, step, 0, 0)
+        engine.backward(wl.loss(model, b, step))
+        engine.step()
+        ref.micro_step([b], step, 0)
+        ref.step()
 
 
 # -- clipping ---------------------------------------------------------------------------------------
@@ -118,14 +129,8 @@ def test_zero_grad_at_the_boundary_discards(pools: PoolSet) -> None:
 def _state_dict_worker(ctx: WorkerContext) -> dict[str, Any]:
     from z3kit.withheld import ValueWithheld
 
-    case = Case("mlp", SHARDED)
-    engine, ref, model = build_pair(ctx, case)
-    for step in range(2):
-        b = vec_batch(ctx.rank, step, 0, 0)
-        engine.backward(vec_loss(model, b, step))
-        engine.step()
-        ref.micro_step([b], step, 0)
-        ref.step()
+    engine, ref, model = build_pair(ctx, Case("mlp", SHARDED))
+    _train_both(ctx, engine, ref, model, "mlp", range(2))
     out: dict[str, Any] = {"model": model.state_dict(), "module": engine.module.state_dict(), "ref": ref.params()}
     # a load through the model: another model's values go into the shards
     torch.manual_seed(77)
@@ -146,11 +151,7 @@ def _state_dict_worker(ctx: WorkerContext) -> dict[str, Any]:
     out["after_refused"] = engine.full_state_dict()
     # the twin trains on from the loaded values
     ref.model.load_state_dict(other)
-    b = vec_batch(ctx.rank, 5, 0, 0)
-    engine.backward(vec_loss(model, b, 5))
-    engine.step()
-    ref.micro_step([b], 5, 0)
-    ref.step()
+    _train_both(ctx, engine, ref, model, "mlp", range(5, 6))
     out["trained"], out["ref_trained"] = engine.full_state_dict(), ref.params()
     try:
         torch.save(engine.module.state_dict(keep_vars=False), "/dev/null")
@@ -232,12 +233,7 @@ def _hf_save_worker(ctx: WorkerContext, path: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     engine, ref, model = build_pair(ctx, Case("hf_gpt2", SHARDED))
-    for step in range(2):
-        b = hf_batch(ctx.rank, step, 0, 0)
-        engine.backward(hf_loss(model, b, step))
-        engine.step()
-        ref.micro_step([b], step, 0)
-        ref.step()
+    _train_both(ctx, engine, ref, model, "hf_gpt2", range(2))
     model.save_pretrained(path, is_main_process=ctx.rank == 0)
     torch.distributed.barrier(ctx.group)
     loaded = AutoModelForCausalLM.from_pretrained(path)
@@ -300,11 +296,7 @@ def test_peft_adapter_saves_and_reloads(pools: PoolSet, tmp_path: Any) -> None:
 def _gathered_alone_worker(ctx: WorkerContext, path: str) -> dict[str, Any]:
     """DeepSpeed's habit: gather everything, then rank 0 alone reads the model's state_dict."""
     engine, ref, model = build_pair(ctx, Case("mlp", SHARDED))
-    b = vec_batch(ctx.rank, 0, 0, 0)
-    engine.backward(vec_loss(model, b, 0))
-    engine.step()
-    ref.micro_step([b], 0, 0)
-    ref.step()
+    _train_both(ctx, engine, ref, model, "mlp", range(1))
     with engine.gathered_parameters():
         if ctx.rank == 0:
             torch.save(model.state_dict(), path)
