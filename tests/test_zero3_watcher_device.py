@@ -26,7 +26,6 @@ from tests import accelerator_double as double
 from tests.accelerator_double import DOUBLE
 from tests.zero3_models import MLP, vec_batch
 from z3kit.collectives import all_gather
-from z3kit.peer_watch import Followed
 
 
 def _group(ctx: Any) -> double.SimGroup:
@@ -91,6 +90,7 @@ def test_the_watcher_holds_no_buffer_of_what_it_follows(pools: Any) -> None:
 def test_a_followed_collective_lets_go_of_the_handle_once_settled() -> None:
     """On an accelerator the watcher polls the work while the caller waits,
     then the event recorded after the wait: the handle goes with the swap."""
+    from z3kit.peer_watch import Followed
 
     class Handle:
         def __init__(self) -> None:
