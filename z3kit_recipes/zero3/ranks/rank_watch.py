@@ -16,14 +16,12 @@ Note: where the watching happens, per backend.
     between slices (``WatchedWait``). On NCCL and HCCL, completing one only
     makes the stream wait and the host runs ahead: ``wait`` does just that,
     and a watcher thread (``zero3.ranks.watcher``) reads the board and follows
-    the collectives in flight. When a peer failed or a collective
-    stalled, it marks the engine broken and aborts the process group, so
-    that a host blocked on the device (a ``loss.item()``) gets an error
-    instead of waiting forever; the engine's next call raises
-    ``RankFailed`` with the reason. ``collective_timeout_s`` is kept
-    shorter than the process group's own timeout (``zero3.runtime.build``), so
-    that this happens before NCCL's watchdog tears the process down with
-    a message of its own.
+    the collectives in flight, through the device. When a peer failed or
+    a collective stalled, it marks the engine broken and aborts the
+    engine's groups, so that a host blocked on the device gets an error;
+    the engine's next call raises ``RankFailed`` with the reason, before
+    NCCL's own watchdog (``collective_timeout_s`` is kept shorter than the
+    group's timeout, ``zero3.runtime.build``).
 
 Informational notices (a rank that left the recorded trace of a step) are
 not errors on their own: ranks whose programs change in the same way all
@@ -70,7 +68,10 @@ def departure_place(where: tuple[int, int]) -> str:
     return f"after {micro} backward(s)"
 
 T = TypeVar("T")
-
+#: what works after a failure (the engine's group can no longer pair; the user's default group still does)
+RECOVER = ("This engine is done: resume from the last checkpoint with a new engine (zero3.initialize, which makes "
+           "a group of its own, then engine.load_checkpoint), or exit non-zero so that torchrun --max-restarts "
+           "restarts the job")
 
 class RankFailed(RanksDisagree):
     """A rank failed, skipped its step, died or stopped answering; raised on every rank."""
@@ -129,8 +130,7 @@ class RankWatch:
     def broken(self, message: str | None) -> None:
         self.step.broken = message
 
-    def describe(self) -> str:
-        """Where this rank is, for a message."""
+    def describe(self) -> str:  # where this rank is, for a message
         return f"at optimizer step {self.step.global_step}, micro-step {self.step.micro_step}"
 
     # -- the waits ---------------------------------------------------------------------
@@ -210,7 +210,7 @@ class RankWatch:
     def check(self, what: str) -> None:
         """Refuse ``what`` once the ranks no longer run together."""
         if self.broken is not None:
-            raise RankFailed(f"{what} refused: {self.broken}. Restart from the last checkpoint (engine.load_checkpoint)")
+            raise RankFailed(f"{what} refused: {self.broken}. {RECOVER}")
 
     # -- posting -----------------------------------------------------------------------------
     def failed_here(self, where: str, exc: BaseException, position: tuple[int, int]) -> None:
