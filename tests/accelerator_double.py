@@ -8,14 +8,25 @@ alone can poll, block and time out in its hot path without any test
 noticing. The ``z3sim`` backend registered here moves data through a real
 gloo group, but its work handles (``tests.sim_group``) wait like NCCL's:
 
-- ``wait()``: on CPU compute *is* the stream, so the data is completed here,
-  interruptibly: once the group is aborted it raises ``RuntimeError``, as an
-  aborted communicator does, instead of hanging;
+- ``wait()``: only orders, and returns at once, waited for or not, peers
+  there or not: the data lands later, when gloo has moved it (gloo's own
+  threads play the device). A host operation that touches memory of a
+  collective waited for but not landed blocks until it lands (the landing
+  gate, a dispatch mode ``observing`` installs: on a GPU compute would wait
+  on the device, and a host sync would block); once the group is aborted it
+  raises ``RuntimeError`` there, as an aborted communicator does. Reads that
+  do not go through torch's dispatcher (``tolist()``, ``numpy()``) need a
+  ``DOUBLE.synchronize()`` first, as they need a stream sync on a GPU.
+  torch's own object collectives wait inside torch and read at once (with a
+  syncing host copy on a GPU): those waits block;
 - ``wait(timeout)``: a violation (it blocks the host on an accelerator);
-- ``is_completed()``: never blocks, and sees a collective done only once it
-  finished ``DEVICE_LAG_S`` ago or was waited for: the device runs behind the
-  host, so polling right after issue tells nothing (and what a runtime does
-  does not depend on how fast the peers were).
+- ``is_completed()``: never blocks, and sees a collective done only once its
+  data landed ``DOUBLE.device_lag_s`` ago (the test sets it; ``DEVICE_LAG_S``
+  by default), whether it was waited for or not: the device runs behind the
+  host, and ``wait()`` says nothing about it. A group's
+  ``device_completion()`` is the stand-in for an event recorded on the
+  communication stream: ``query()`` over what was issued so far, holding no
+  tensor.
 
 Each group records what it issued, in order (kind, elements of one rank,
 dtype), and a collective issued inside ``RecordingStreamPair.communicate``
@@ -50,13 +61,18 @@ groups are registered, so a destroyed group's name comes back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from tests.sim_group import BACKEND, DEVICE_LAG_S, SimGroup, SimWork
+from tests.sim_group import BACKEND, DEVICE_LAG_S, SimGroup, SimWork, _inside_any
+from z3kit.stream_check import _span
 from tests.sync_sites import SyncSites
 from z3kit.stream_check import StreamOrderChecker
 
@@ -83,6 +99,44 @@ class Double:
         #: raise violations (False: record them and go on, a timed wait completing like a plain
         #: one, so that one run lists every fault)
         self.strict = True
+        #: how long after its data landed a collective is seen completed (``is_completed``, events)
+        self.device_lag_s = DEVICE_LAG_S
+        #: how long a host read waits for data that does not land before it fails the test
+        self.host_bound_s = 30.0
+        #: collectives waited for whose data has not landed: what host reads must wait for
+        self._unlanded: list[SimWork] = []
+        self._lock = threading.Lock()
+        self._gates = threading.local()
+
+    def gating(self) -> bool:
+        """Whether the calling thread runs under the landing gate (inside ``observing``)."""
+        return bool(getattr(self._gates, "depth", 0))
+
+    def ordered(self, work: SimWork) -> None:
+        """``work`` was waited for: host reads of its memory wait until it lands."""
+        with self._lock:
+            self._unlanded = [w for w in self._unlanded if not w.landing.landed] + [work]
+
+    def land_before(self, tensors: Sequence[Any]) -> None:
+        """Block until every waited collective that writes memory of ``tensors`` landed."""
+        if not self._unlanded:
+            return
+        with self._lock:
+            self._unlanded = [w for w in self._unlanded if not w.landing.landed]
+            pending = list(self._unlanded)
+        spans = [s for s in (_span(t) for t in tensors) if s is not None]
+        for work in pending:
+            if any(_inside_any(span, work.spans) for span in spans):
+                work.landing.block(self.host_bound_s)
+
+    def synchronize(self) -> None:
+        """A stream sync: block until every collective waited for landed (or raise its error)."""
+        with self._lock:
+            pending, self._unlanded = list(self._unlanded), []
+        for work in pending:
+            work.landing.block(self.host_bound_s)
+        for group in self.groups:
+            group.forget_landed()
 
     def violation(self, message: str) -> None:
         self.violations.append(message)
@@ -104,10 +158,61 @@ class Double:
             g.issued.clear()
         self.violations, self.checkers, self.strict = [], list(checkers), strict
         seen = Observed(self)
+        self._gates.depth = getattr(self._gates, "depth", 0) + 1
         try:
-            yield seen
+            with _LandingGate(self):
+                yield seen
         finally:
+            self._gates.depth -= 1
             self.checkers, self.strict = [], True
+
+
+class _LandingGate(TorchDispatchMode):
+    """Every tensor operation of the thread waits for the collectives whose memory it touches to land."""
+
+    def __init__(self, double: Double) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.double = double
+        # gloo's worker threads run the collectives' own copies under the issuing thread's
+        # state, this mode included: those are the device's work, never held up here
+        self._thread = threading.get_ident()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.double._unlanded and threading.get_ident() == self._thread:
+            self.double.land_before([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> _LandingGate:
+        # the host reads that bypass the dispatcher wait too, as a host sync would on a GPU
+        self._saved = [(name, torch.Tensor.__dict__.get(name)) for name in _UNDISPATCHED_READS]
+        for name, _ in self._saved:
+            setattr(torch.Tensor, name, self._gated(getattr(torch.Tensor, name)))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for name, func in reversed(self._saved):
+            if func is None:
+                delattr(torch.Tensor, name)  # inherited from torch._C.TensorBase
+            else:
+                setattr(torch.Tensor, name, func)
+
+    def _gated(self, func: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.double._unlanded and threading.get_ident() == self._thread:
+                self.double.land_before([tensor])
+            return func(tensor, *args, **kwargs)
+
+        read.__wrapped__ = func  # type: ignore[attr-defined]  # what a sync counter looks for
+        return read
+
+
+#: host reads of a tensor's data that torch's dispatcher does not see
+_UNDISPATCHED_READS = ("tolist", "numpy")
 
 
 class Observed:

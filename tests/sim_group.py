@@ -53,41 +53,83 @@ def _merged(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
+def _inside_any(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether ``span`` overlaps any of ``spans``."""
+    return any(span[0] < e and s < span[1] for s, e in spans)
+
+
 def _inside(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
     span = _span(t)
     return span is None or any(s <= span[0] and span[1] <= e for s, e in spans)
 
 
+class Landing:
+    """When one collective's data landed on this rank, and whether it failed:
+    the device's side of a ``SimWork``, holding no tensor (what a watcher or
+    an event may keep without keeping memory alive)."""
+
+    __slots__ = ("label", "at", "error", "_event")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        #: when the data landed (gloo finished writing it), None until then
+        self.at: float | None = None
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+
+    def land(self, error: BaseException | None = None) -> None:
+        if self.at is None:
+            self.error, self.at = error, time.monotonic()
+            self._event.set()
+
+    @property
+    def landed(self) -> bool:
+        return self.at is not None
+
+    def query(self, lag_s: float) -> bool:
+        """Completed as the device would report it: landed ``lag_s`` ago (never blocks)."""
+        return self.at is not None and time.monotonic() - self.at >= lag_s
+
+    def block(self, bound_s: float) -> None:
+        """Block the host until the data landed (a stream sync); raise its error, or after ``bound_s``."""
+        if not self._event.wait(bound_s):
+            from tests.accelerator_double import AcceleratorSemanticsError
+
+            raise AcceleratorSemanticsError(
+                f"the host waited {bound_s:g} s for the data of {self.label}, which never landed, and nothing "
+                "noticed (no watcher named the stalled collective, no abort ended the wait)")
+        if self.error is not None:
+            raise RuntimeError(str(self.error))
+
+
 class SimWork(dist.Work):
     """One collective's handle, with ``ProcessGroupNCCL``'s wait semantics (module docstring)."""
 
-    def __init__(self, group: SimGroup, kind: str, inner: Any, result: Any) -> None:
+    def __init__(self, group: SimGroup, kind: str, inner: Any, result: Any, writes: list[torch.Tensor]) -> None:
         super().__init__()
         self._group, self.kind, self._inner, self._result = weakref.ref(group), kind, inner, result
-        self._event, self._lock = threading.Event(), threading.Lock()
-        self._finished_at: float | None = None
-        self._waited = False
+        self._lock = threading.Lock()
+        self.landing = Landing(f"{kind} on {group.describe()}")
+        #: the memory the collective writes, as address ranges: what a host read must wait for
+        self.spans = _merged(writes)
         self._future: torch.futures.Future[Any] = torch.futures.Future()
-        try:
-            inner.get_future().add_done_callback(self._on_done)
-        except RuntimeError:  # gloo's emulated reduce-scatter has no future: watch it from a thread
-            threading.Thread(target=self._watch, name="z3sim-work", daemon=True).start()
+        # watched from a thread of its own, not a future callback: torch runs those under the
+        # issuing thread's dispatch modes, and the landing gate must not hold up the landing itself
+        threading.Thread(target=self._watch, name="z3sim-work", daemon=True).start()
+
+    @property
+    def _finished_at(self) -> float | None:
+        return self.landing.at
 
     def _watch(self) -> None:
         try:
             self._inner.wait()
             self._on_done(None)
-        except RuntimeError as e:  # wait() raises it again to the caller
+        except Exception as e:  # noqa: BLE001 - any failure lands as the collective's error
             self._on_done(None, e)
 
     def _on_done(self, future: Any, error: BaseException | None = None) -> None:
-        if future is not None:
-            try:
-                future.value()
-            except RuntimeError as e:
-                error = e
-        self._finished_at = time.monotonic()
-        self._event.set()
+        self.landing.land(error)
         # the future completes with the collective: DDP-style callers wait on it without wait()
         self._settle(error)
 
@@ -101,7 +143,11 @@ class SimWork(dist.Work):
                 self._future.set_exception(error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Complete the collective (on CPU the stream is the host); a timed wait is a violation."""
+        """Order "the current stream" after the collective and return at once,
+        as NCCL does: the data lands later, when gloo has moved it, and a host
+        read of it waits then (``tests.accelerator_double``'s landing gate).
+        A timed wait is a violation. Called from torch's own code (the object
+        collectives, whose next step is a host copy that syncs), it blocks."""
         group = self._group()
         if timeout is not None and timeout > timedelta(0) and group is not None:
             group.double.violation(
@@ -109,26 +155,45 @@ class SimWork(dist.Work):
                 "blocks the host on an accelerator (and aborts the communicator on timeout); complete it with a "
                 "plain wait()"
             )
-        self._event.wait()  # not strict: recorded, and completed like a plain wait
-        if group is not None and group.aborted and not self._waited:
-            # like a work of an aborted communicator, even where gloo finished it meanwhile
+        if group is not None and group.aborted and not self.landing.landed:
             raise RuntimeError(f"{self.kind}: {group.describe()} was aborted before the collective was waited for")
-        self._inner.wait()  # done: raises the collective's own error, if any
-        self._waited = True
+        if self.landing.landed and self.landing.error is not None:
+            raise RuntimeError(str(self.landing.error))
+        double = group.double if group is not None else None
+        if double is None or not double.gating() or sys._getframe(1).f_code.co_filename.startswith(_TORCH):
+            self.landing.block(double.host_bound_s if double is not None else 60.0)
+            return True
+        double.ordered(self)
         return True
 
     def is_completed(self) -> bool:
-        """Never blocks; true once waited for, or finished ``DEVICE_LAG_S`` ago."""
-        done = self._finished_at
-        return self._waited or (done is not None and time.monotonic() - done >= DEVICE_LAG_S)
+        """Never blocks; true once the data landed ``Double.device_lag_s`` ago, waited for or not."""
+        group = self._group()
+        return self.landing.query(group.double.device_lag_s if group is not None else DEVICE_LAG_S)
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
     def _interrupt(self) -> None:
-        if self._finished_at is None:
-            self._event.set()
+        if not self.landing.landed:
+            self.landing.land(RuntimeError(f"{self.kind}: the process group was aborted"))
             self._settle(RuntimeError(f"{self.kind}: the process group was aborted"))
+
+
+class Completion:
+    """An event's ``query()`` over some collectives' ``Landing`` s (``SimGroup.device_completion``)."""
+
+    def __init__(self, landings: list[Landing], double: Double) -> None:
+        self._landings, self._double = landings, double
+
+    def query(self) -> bool:
+        lag = self._double.device_lag_s
+        self._landings = [x for x in self._landings if not x.query(lag)]
+        return not self._landings
+
+    def describe(self) -> str:
+        """The oldest collective not yet finished (or "")."""
+        return self._landings[0].label if self._landings else ""
 
 
 def _given(opts: Any) -> tuple[Any, ...]:
@@ -187,9 +252,19 @@ class SimGroup(dist.ProcessGroup):
             raise RuntimeError(f"{kind} issued on {self.describe()}, which was aborted")
         self.issued.append((kind, sum(t.numel() for t in each), str(each[0].dtype) if each else ""))
         self._check_tickets(kind, reads, writes)
-        work = SimWork(self, kind, start(), result)
-        self._pending = [w for w in self._pending if w._finished_at is None] + [work]
+        work = SimWork(self, kind, start(), result, writes)
+        self._pending = [w for w in self._pending if not w.landing.landed] + [work]
         return work
+
+    def forget_landed(self) -> None:
+        """Let go of the works whose data landed (the double holds nothing the caller dropped)."""
+        self._pending = [w for w in self._pending if not w.landing.landed]
+
+    def device_completion(self) -> Completion:
+        """What a watcher may hold to see the collectives issued on this group so
+        far finish on "the device": their ``Landing`` s, no tensor (the double's
+        stand-in for an event recorded on the communication stream)."""
+        return Completion([w.landing for w in self._pending if not w.landing.landed], self.double)
 
     def _check_tickets(self, kind: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
         tickets = [t for c in self.double.checkers for t in c.open_tickets]

@@ -30,6 +30,8 @@ from z3kit.host_sync import SYNCING_CALLS
 
 _TORCH = str(Path(torch.__file__).parent)
 _HERE = str(Path(__file__))
+#: the accelerator double's landing gate, which may wrap a syncing call: not a call site
+_GATE = str(Path(__file__).with_name("accelerator_double.py"))
 
 
 def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
@@ -38,8 +40,10 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
     for func in SYNCING_CALLS:
         name = func.__name__
         for owner in (torch.Tensor, torch):
-            if getattr(owner, name, None) is func:
-                out.append((owner, name, func))
+            current = getattr(owner, name, None)
+            # the accelerator double's landing gate may have wrapped it first (``__wrapped__``): wrap that
+            if current is func or getattr(current, "__wrapped__", None) is func:
+                out.append((owner, name, current))
     return out
 
 
@@ -47,7 +51,7 @@ def _site() -> tuple[str, str]:
     """(the first frame outside torch and this file, the torch file that made the call or "")."""
     frame = sys._getframe(2)
     via = ""
-    while frame is not None and frame.f_code.co_filename.startswith((_TORCH, _HERE)):
+    while frame is not None and frame.f_code.co_filename.startswith((_TORCH, _HERE, _GATE)):
         if not via and frame.f_code.co_filename.startswith(_TORCH):
             via = "torch/" + frame.f_code.co_filename[len(_TORCH) + 1:].replace("\\", "/")
         frame = frame.f_back  # type: ignore[assignment]
@@ -81,7 +85,8 @@ class SyncSites:
         return out
 
     def _wrap(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        name = getattr(func, "__qualname__", func.__name__)
+        inner = getattr(func, "__wrapped__", func)
+        name = getattr(inner, "__qualname__", inner.__name__)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             # once per call: a torch-function mode hands the call back through this wrapper

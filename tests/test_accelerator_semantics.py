@@ -120,8 +120,12 @@ def run_collectives(ctx: Any) -> dict[str, Any]:
         b = torch.full((2,), float(rank))
         work = dist.broadcast(b, group_src=world - 1, group=group, async_op=True)
         work.wait()
-        out["broadcast"] = b.tolist()
+        # wait() says nothing about the device: only the lag after the data landed does
         out["completed_after_wait"] = work.is_completed()
+        DOUBLE.synchronize()  # tolist() reads outside torch's dispatcher: a stream sync first, as on a GPU
+        out["broadcast"] = b.tolist()
+        time.sleep(DOUBLE.device_lag_s)
+        out["completed_after_lag"] = work.is_completed()
         # the future completes with the collective, with no wait() (DDP's reducer waits so)
         summed = torch.ones(2)
         out["future"] = dist.all_reduce(summed, group=group, async_op=True).get_future().wait()[0].tolist()
@@ -136,7 +140,8 @@ def test_plain_waits_complete_with_the_right_data(pools: Any, world: int) -> Non
         assert r["all_gather"] == [float(s) for s in range(world) for _ in range(2)]
         assert r["reduce_scatter"] == [float(2 * rank + i) * ranks for i in range(2)]
         assert r["broadcast"] == [float(world - 1)] * 2
-        assert r["completed_after_wait"] is True
+        assert r["completed_after_wait"] is False
+        assert r["completed_after_lag"] is True
         assert r["future"] == [float(world)] * 2
 
 
@@ -148,7 +153,10 @@ def run_poll_while_peer_is_late(ctx: Any) -> dict[str, Any]:
     start = time.monotonic()
     polls = [work.is_completed() for _ in range(100)]
     poll_s = time.monotonic() - start
-    work.wait()
+    with DOUBLE.observing():
+        work.wait()
+        DOUBLE.synchronize()
+    time.sleep(DOUBLE.device_lag_s)
     return {"polls": polls, "poll_s": poll_s, "after": work.is_completed()}
 
 
@@ -157,6 +165,38 @@ def test_is_completed_polls_without_blocking(pools: Any) -> None:
     assert late["poll_s"] < 0.1, late["poll_s"]  # 100 polls while the peer is a second late
     assert not any(late["polls"])
     assert late["after"] is True
+
+
+def run_wait_while_peer_is_late(ctx: Any) -> dict[str, Any]:
+    """Rank 1 issues its side 1 s late: rank 0's ``wait()`` must return at
+    once (NCCL's only orders), the work stays uncompleted, and the first
+    host operation on the output waits for the data, which is right."""
+    group = _group(ctx)
+    out: dict[str, Any] = {}
+    with DOUBLE.observing():
+        if ctx.rank == 1:
+            time.sleep(1.0)
+        t = torch.full((4,), float(ctx.rank + 1))
+        work = dist.all_reduce(t, group=group, async_op=True)
+        start = time.monotonic()
+        work.wait()
+        out["wait_s"] = time.monotonic() - start
+        out["completed_after_wait"] = work.is_completed()
+        doubled = t * 2  # a host read through torch: waits for the data to land
+        out["read_s"] = time.monotonic() - start
+        out["value"] = doubled.tolist()
+        out["violations"] = list(DOUBLE.violations)
+    return out
+
+
+def test_wait_only_orders_and_the_data_lands_later(pools: Any) -> None:
+    early, late = pools.run(2, run_wait_while_peer_is_late, timeout=60)
+    assert early["wait_s"] < 0.2, early  # not blocked by the late peer
+    assert early["completed_after_wait"] is False, early
+    assert early["read_s"] > 0.5, early  # the read waited for the data
+    for r in (early, late):
+        assert r["value"] == [6.0] * 4, r
+        assert r["violations"] == [], r
 
 
 def _end(group: Any, how: str) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from tests.dist_pool import fresh_group
 from z3kit.host_copy import HostCopy, to_device
-from z3kit.peer_watch import PeerWatcher
+from z3kit.peer_watch import Followed, PeerWatcher
 from z3kit.sideband import Notice, SideBand
 
 
@@ -109,7 +109,7 @@ def test_watcher_hands_over_notices_and_reports_a_stall() -> None:
 
     watcher = PeerWatcher(board.reader(), timeout_s=0.3, on_notices=on_notices, on_stall=on_stall, poll_s=0.02)
     watcher.start()
-    watcher.follow(finished.is_set, "done soon")
+    watcher.follow(Followed(finished.is_set, "done soon"))
     peer.post("hello")
     finished.set()
     deadline = time.monotonic() + 5
@@ -118,7 +118,7 @@ def test_watcher_hands_over_notices_and_reports_a_stall() -> None:
     assert heard == [Notice(1, "hello")]
     time.sleep(0.1)
     assert watcher.in_flight() == 0 and not stalls  # finished collectives are dropped, not reported
-    watcher.follow(lambda: False, "never finishes")
+    watcher.follow(Followed(lambda: False, "never finishes"))
     while watcher.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not watcher.running  # on_stall said stop

@@ -257,7 +257,7 @@ def test_a_forward_that_raises_on_one_rank_stops_the_others(pools: Any) -> None:
     assert "rank 1 forward raised ValueError: this batch is corrupt" in results[0]["caught"]
     for r in results:
         assert r["seconds"] < 30  # the notice board, not a timeout
-        assert r["later"].startswith("RankFailed") and "Restart from the last checkpoint" in r["later"]
+        assert r["later"].startswith("RankFailed") and "resume from the last checkpoint with a new engine" in r["later"]
 
 
 # --------------------------------------------------------------------------- #

@@ -297,7 +297,7 @@ def test_a_rank_that_raises_stops_every_rank(pools: Any, world: int) -> None:
         if rank != 1:
             assert r["caught"].startswith("RankFailed") and "rank 1 forward raised ValueError: this batch is corrupt" in r["caught"]
         assert r["seconds"] < 30  # not a hang: the notice board is read within a fraction of a second
-        assert r["later"].startswith("RankFailed") and "Restart from the last checkpoint" in r["later"]
+        assert r["later"].startswith("RankFailed") and "resume from the last checkpoint with a new engine" in r["later"]
 
 
 class Repeat(nn.Module):

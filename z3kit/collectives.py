@@ -71,11 +71,11 @@ class Pending:
         return self._done
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
-        """True once the collective finished. ``timeout_s``: on a backend
-        whose waits block the host, block up to that long for it first;
-        elsewhere it is ignored, and this only polls (see the Note)."""
-        if self._done:
-            return True
+        """True once the collective finished on the device, as its works
+        report it. ``timeout_s``: on a backend whose waits block the host,
+        block up to that long for it first; elsewhere it is ignored, and this
+        only polls (see the Note). Having waited says nothing here: on an
+        accelerator ``wait()`` returns before the collective ran."""
         for work in self._works:
             if work.is_completed():
                 continue

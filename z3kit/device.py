@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import attrs
 import torch
@@ -144,3 +145,24 @@ def device_count(device_type: str) -> int:
         return int(module.device_count()) if module.is_available() else 0
     except (RuntimeError, AttributeError, AssertionError):
         return 0
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current device. Every thread a
+    runtime starts calls this first: on CUDA a new thread starts on device 0,
+    so a thread that touches streams, events or communicators without it
+    makes a context on (and works against) the first GPU of the node.
+    Nothing to do on CPU."""
+    if device.type == "cpu":
+        return
+    module = torch.get_device_module(device)
+    module.set_device(device if device.index is not None else module.current_device())
+
+
+def event_after(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current stream (``query()`` never
+    blocks and is safe from any thread); None on CPU, which has none."""
+    if device.type == "cpu":
+        return None
+    stream = torch.get_device_module(device).current_stream(device)
+    return stream.record_event()

@@ -63,8 +63,9 @@ class BucketFlush:
         self.ticket = ticket
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
-        """True once the reduction finished (``wait`` will not block); see ``Pending.is_completed``."""
-        return self.ticket.completed or self._pending.is_completed(timeout_s)
+        """True once the reduction finished on the device; see ``Pending.is_completed``
+        (a completed ticket only says that compute was ordered after it)."""
+        return self._pending.is_completed(timeout_s)
 
     def wait(self, block: Blocker | None = None) -> list[tuple[int, torch.Tensor]]:
         finish = self._pending.wait

@@ -215,8 +215,9 @@ class GatherHandle:
         return self.ticket.completed
 
     def is_completed(self, timeout_s: float = 0.0) -> bool:
-        """True once the collective finished (``wait`` will not block); see ``Pending.is_completed``."""
-        return self.ticket.completed or self._collective.is_completed(timeout_s)
+        """True once the collective finished on the device; see ``Pending.is_completed``
+        (a completed ticket only says that compute was ordered after it)."""
+        return self._collective.is_completed(timeout_s)
 
     @property
     def staging_numel(self) -> int:

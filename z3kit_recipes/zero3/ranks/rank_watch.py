@@ -16,14 +16,12 @@ Note: where the watching happens, per backend.
     between slices (``WatchedWait``). On NCCL and HCCL, completing one only
     makes the stream wait and the host runs ahead: ``wait`` does just that,
     and a watcher thread (``zero3.ranks.watcher``) reads the board and follows
-    the collectives in flight. When a peer failed or a collective
-    stalled, it marks the engine broken and aborts the process group, so
-    that a host blocked on the device (a ``loss.item()``) gets an error
-    instead of waiting forever; the engine's next call raises
-    ``RankFailed`` with the reason. ``collective_timeout_s`` is kept
-    shorter than the process group's own timeout (``zero3.runtime.build``), so
-    that this happens before NCCL's watchdog tears the process down with
-    a message of its own.
+    the collectives in flight, through the device. When a peer failed or
+    a collective stalled, it marks the engine broken and aborts the
+    engine's groups, so that a host blocked on the device gets an error;
+    the engine's next call raises ``RankFailed`` with the reason, before
+    NCCL's own watchdog (``collective_timeout_s`` is kept shorter than the
+    group's timeout, ``zero3.runtime.build``).
 
 Informational notices (a rank that left the recorded trace of a step) are
 not errors on their own: ranks whose programs change in the same way all
@@ -37,12 +35,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from z3kit import process_group
 from z3kit.collectives import ProcessGroup
-from z3kit.peer_watch import PeerWatcher
-from z3kit.sideband import Notice, SideBand, WatchedWait, in_thread
+from z3kit.device import event_after
+from z3kit.peer_watch import AllOf, Followed, PeerWatcher
+from z3kit.sideband import BoardReader, Notice, SideBand, WatchedWait, in_thread
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.step.state import StepState
 
@@ -70,7 +70,10 @@ def departure_place(where: tuple[int, int]) -> str:
     return f"after {micro} backward(s)"
 
 T = TypeVar("T")
-
+#: what works after a failure (the engine's group can no longer pair; the user's default group still does)
+RECOVER = ("This engine is done: resume from the last checkpoint with a new engine (zero3.initialize, which makes "
+           "a group of its own, then engine.load_checkpoint), or exit non-zero so that torchrun --max-restarts "
+           "restarts the job")
 
 class RankFailed(RanksDisagree):
     """A rank failed, skipped its step, died or stopped answering; raised on every rank."""
@@ -87,8 +90,11 @@ class RankWatch:
         step: StepState,
         poll_s: float = 0.05,
         subgroups: tuple[ProcessGroup, ...] = (),
+        device: torch.device | None = None,
     ) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        #: the rank's device: where the events that the watcher follows are recorded, and its thread's device
+        self.device = torch.device("cpu") if device is None else device
         self.group = group
         #: every group the engine's collectives run on (HSDP's shard and replicate groups too): aborted together
         self.groups = (group, *subgroups)
@@ -126,8 +132,7 @@ class RankWatch:
     def broken(self, message: str | None) -> None:
         self.step.broken = message
 
-    def describe(self) -> str:
-        """Where this rank is, for a message."""
+    def describe(self) -> str:  # where this rank is, for a message
         return f"at optimizer step {self.step.global_step}, micro-step {self.step.micro_step}"
 
     # -- the waits ---------------------------------------------------------------------
@@ -138,13 +143,42 @@ class RankWatch:
             raise RankFailed(self.broken)
         if self.watcher is None:
             return self._completed(done, wait)
-        self.watcher.follow(lambda: done(0.0), "a collective")
+        self.check_watcher()
+        # followed through the device, never through what the host did (see z3kit.peer_watch's Notes)
+        modelled = self._device_completion()
+        label = f"the collective waited {self.describe()}"
+        if modelled is not None:
+            followed = Followed(modelled.query, label, modelled.describe)
+        else:  # the work's own is_completed while inside the wait, the event recorded after it from then on
+            followed = Followed(lambda: done(0.0), label)
+        self.watcher.follow(followed)
         try:
-            return wait()  # orders the stream; returns at once
+            out = wait()  # orders the stream; returns at once
         except RuntimeError as exc:  # the process group was aborted (by the watcher, or NCCL's watchdog)
+            followed.settle(None)
             self.raise_if_broken()
             self._fail_together(f"a collective failed on rank {self.rank} ({exc})")
             raise  # unreachable: _fail_together raises
+        if modelled is None:
+            followed.settle(event_after(self.device))
+        return out
+
+    def _device_completion(self) -> AllOf | None:
+        """Where the engine's groups model a device themselves (the CPU double
+        of an accelerator backend, ``device_completion()``): the collectives
+        issued on them so far, as a probe that holds no tensor; else None."""
+        probes = [g.device_completion() for g in self.groups if hasattr(g, "device_completion")]
+        return AllOf(probes) if probes else None
+
+    def check_watcher(self) -> None:
+        """A dead watcher thread (no failure of another rank would be noticed)
+        breaks the engine on every rank, naming what ended it."""
+        if self.watcher is None or self.broken is not None:
+            return
+        try:
+            self.watcher.check_alive()
+        except RuntimeError as exc:
+            self._fail_together(f"rank {self.rank}: {exc}")
 
     def raise_if_broken(self) -> None:
         """After the host waited on the device: if the watcher found the
@@ -178,7 +212,7 @@ class RankWatch:
     def check(self, what: str) -> None:
         """Refuse ``what`` once the ranks no longer run together."""
         if self.broken is not None:
-            raise RankFailed(f"{what} refused: {self.broken}. Restart from the last checkpoint (engine.load_checkpoint)")
+            raise RankFailed(f"{what} refused: {self.broken}. {RECOVER}")
 
     # -- posting -----------------------------------------------------------------------------
     def failed_here(self, where: str, exc: BaseException, position: tuple[int, int]) -> None:
@@ -189,6 +223,8 @@ class RankWatch:
         every rank (see the module docstring)."""
         if isinstance(exc, RanksDisagree):
             return  # already every rank's error
+        if self.broken is not None:  # the watcher broke the engine meanwhile (and aborted its groups): that is why
+            raise RankFailed(self.broken) from exc
         where_tag = f"[{position[0]}:{position[1]}]"
         self.own_failures.add(where_tag)
         message = f"{FAILED}{where} raised {type(exc).__name__}: {exc} ({self.describe()}) {where_tag}"
@@ -292,18 +328,22 @@ class RankWatch:
         the notices ``heard`` already), raise naming the silent ranks."""
         raise RankFailed(self.give_up(what, heard))
 
-    def give_up(self, what: str, heard: list[Notice] | None = None) -> str:
-        """``_fail_together`` up to the raise: the engine is broken, with the returned message."""
+    def give_up(self, what: str, heard: list[Notice] | None = None, reader: BoardReader | None = None) -> str:
+        """``_fail_together`` up to the raise: the engine is broken, with the
+        returned message. ``reader``: the board reader of the calling thread
+        (the watcher's own; the main thread's by default): readers are not
+        shared between threads."""
         if self.board is None:
             self.broken = what
             return what
+        read = self.board.unread if reader is None else reader.unread
         self.board.post(f"{WAITING}{what} ({self.describe()})")
         deadline = time.monotonic() + ANSWER_S
         by_rank: dict[int, list[str]] = {}
         for n in heard or []:
             by_rank.setdefault(n.rank, []).append(n.message)
         while time.monotonic() < deadline:
-            for n in self.board.unread():
+            for n in read():
                 by_rank.setdefault(n.rank, []).append(n.message)
             if len(by_rank) == self.world - 1 and any(
                 m.startswith((WAITING, FAILED)) for ms in by_rank.values() for m in ms

@@ -29,6 +29,16 @@ Note: hpZ.
     does not combine them either) and with rank-divergent graphs, whose
     ranks may keep different slices.
 
+Note: the engine's own group.
+    ``world_group`` is not the group the user passed (or the default
+    group) but one made for the engine at initialize over the same ranks
+    (``own_group``). After a rank fails, the engine's group holds
+    collectives that will never pair; the user's group does not, so the
+    user's own collectives (a metrics all-reduce in an ``except``) still
+    pair, and a new engine (``zero3.initialize`` again) gets a new group.
+    The mesh groups HSDP and hpZ build here are the engine's too; those of
+    a ``device_mesh`` the user passes remain the user's.
+
 Note: shard size "node".
     torchrun tells each rank how many ranks its node runs
     (``LOCAL_WORLD_SIZE``); "node" makes that the shard size, so that the
@@ -45,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from z3kit.collectives import ProcessGroup
+from z3kit.process_group import timeout_of
 
 #: the dimension names of an HSDP mesh, outer (replicas) first
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -140,12 +151,21 @@ def hsdp_mesh(device_type: str, world: int, shard_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES)
 
 
-def from_mesh(mesh: DeviceMesh) -> Topology:
-    """The groups of an HSDP mesh; one replica is flat over its shard group."""
+def own_group(group: ProcessGroup) -> ProcessGroup:
+    """A new group over ``group``'s ranks, with its backend and timeout: the
+    engine's own (see the Note). Every rank of ``group`` calls it."""
+    made = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=str(dist.get_backend(group)),
+                          timeout=timeout_of(group), use_local_synchronization=True)
+    if not isinstance(made, dist.ProcessGroup):  # a member of the ranks always gets the group
+        raise RuntimeError(f"torch.distributed.new_group gave {made!r} to a member of its ranks")
+    return made
+
+
+def from_mesh(mesh: DeviceMesh, world: ProcessGroup) -> Topology:
+    """The groups of an HSDP mesh over every rank (``world``: the engine's group
+    over them); one replica is flat over its shard group."""
     shard = mesh.get_group("shard")
     replicas = mesh.size(0)
-    world = dist.group.WORLD
-    assert world is not None
     if replicas == 1:
         return Topology(world, shard, None, None)
     return Topology(world, shard, mesh.get_group("replicate"), mesh)
@@ -192,10 +212,10 @@ def topology_for(group: ProcessGroup, mesh: DeviceMesh | None, shard_size: int, 
                  hpz_size: int | None = None) -> Topology:
     """The engine's groups (collective where a mesh is built here: every rank calls it)."""
     if mesh is not None:
-        return from_mesh(mesh)
+        return from_mesh(mesh, group)
     world = dist.get_world_size(group)
     if hpz_size is not None:  # the flat layout, and the node groups of an (N/S, S) mesh for the secondary slices
         return Topology(group, group, None, None, hsdp_mesh(device_type, world, hpz_size).get_group("shard"))
     if shard_size == world:
         return flat(group)
-    return from_mesh(hsdp_mesh(device_type, world, shard_size))
+    return from_mesh(hsdp_mesh(device_type, world, shard_size), group)

@@ -24,15 +24,17 @@ import weakref
 
 from z3kit import process_group
 from z3kit.peer_watch import PeerWatcher
-from z3kit.sideband import Notice
+from z3kit.sideband import BoardReader, Notice
 from z3kit_recipes.zero3.ranks.rank_watch import ANSWER_S, FAILED, WAITING, RankWatch, quoted
 
 
 class EngineWatcher:
     """What the watcher thread decides for one ``RankWatch`` (see the module docstring)."""
 
-    def __init__(self, watch: RankWatch) -> None:
+    def __init__(self, watch: RankWatch, reader: BoardReader) -> None:
         self._watch = weakref.ref(watch)
+        #: this thread's own reader of the board (the main thread's is never read from here)
+        self._reader = reader
         #: FAILED notices of other ranks seen, by position tag: (first seen, notice)
         self._peer_failures: dict[str, tuple[float, Notice]] = {}
 
@@ -60,7 +62,9 @@ class EngineWatcher:
         watch = self._watch()
         if watch is None:
             return True
-        watch.give_up(f"rank {watch.rank}: {what} has not finished after {seconds:.0f} s (collective_timeout_s)")
+        heard = [notice for _, notice in self._peer_failures.values()]
+        watch.give_up(f"rank {watch.rank}: {what} has not finished after {seconds:.0f} s (collective_timeout_s)",
+                      heard, reader=self._reader)
         for group in watch.groups:
             process_group.abort(group)
         return True
@@ -79,8 +83,9 @@ def start_watcher(watch: RankWatch) -> None:
     and it has a notice board; elsewhere nothing is started."""
     if watch.board is None or watch.waits_on_host:
         return
-    decide = EngineWatcher(watch)
-    watcher = PeerWatcher(watch.board.reader(), timeout_s=watch.timeout_s, on_notices=decide.on_notices,
-                          on_stall=decide.on_stall)
+    reader = watch.board.reader()
+    decide = EngineWatcher(watch, reader)
+    watcher = PeerWatcher(reader, timeout_s=watch.timeout_s, on_notices=decide.on_notices,
+                          on_stall=decide.on_stall, device=watch.device)
     watcher.start()
     watch.watcher = watcher

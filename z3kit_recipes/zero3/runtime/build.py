@@ -150,6 +150,7 @@ def assemble(
         # where this rank is, moved by the parts made below; it holds whether the ranks are broken
         step=state,
         subgroups=topology.subgroups,
+        device=device,
     )
     start_watcher(watch)
 

@@ -214,8 +214,10 @@ class EngineCore:
 
     # -- between steps -------------------------------------------------------------------------
     def check_idle(self, what: str) -> None:
-        """Refuse ``what`` inside a forward or backward; else wait for an optimizer step still running."""
+        """Refuse ``what`` inside a forward or backward, or once the ranks no
+        longer run together; else wait for an optimizer step still running."""
         self.forwards.settle()
+        self.watch.check(what)
         if self.step_state.busy:
             raise RuntimeError(f"{what} cannot be used inside a forward or backward")
         self.settle()

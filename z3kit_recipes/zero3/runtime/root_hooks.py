@@ -79,7 +79,8 @@ from z3kit.dynamo import is_compile_wrapper, is_compiled
 from z3kit.hooks import in_backward, outside_graphs
 from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.build import EngineParts
-from z3kit_recipes.zero3.step.state import Forward
+from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
+from z3kit_recipes.zero3.step.state import Forward, Phase
 
 #: the code of ``nn.Module.__call__``: the frame of a call of the root runs it
 _CALL_CODE = nn.Module.__call__.__code__
@@ -97,6 +98,14 @@ class JoinRounds(Protocol):
 
 class ForwardLost(RuntimeError):
     """A forward of the model ended without its post-forward hook (see the Note on failures a hook cannot see)."""
+
+
+class BackwardLost(RuntimeError):
+    """A backward reached a hook of the engine and never its end: a plain ``loss.backward()`` that raised."""
+
+
+LOST_BACKWARD = ("loss.backward() did not reach its end on this rank: it raised (the exception is in this rank's "
+                 "own traceback) or was interrupted")
 
 
 LOST = ("the model's previous forward ended without finishing (interrupted, or raised inside a compiled root) "
@@ -163,9 +172,25 @@ class RootForward:
             raise
 
     def settle(self) -> None:
-        """Abort a forward that ended without its post-forward (see the Note on failures a hook cannot see)."""
+        """Abort a forward that ended without its post-forward (see the Note on failures a hook cannot see),
+        or a backward that ended without its end."""
         if self._started:
             self._settle(ForwardLost(LOST))
+        self.settle_backward()
+
+    def settle_backward(self) -> None:
+        """A backward that started and never ended, seen from outside any
+        backward, raised: a plain ``loss.backward()``, with no engine call
+        around it to post why, so it is posted now (named by the exception
+        being handled here, if any), before this rank goes on to collectives
+        the others would take for a departure from the recorded step. Raises
+        ``RankFailed`` unless every rank failed at the same point."""
+        if self.parts.step_state.phase is not Phase.BACKWARD or in_backward():
+            return
+        handled = sys.exc_info()[1]
+        self._abort("backward", BackwardLost(LOST_BACKWARD) if handled is None else handled)
+        if self.parts.watch.broken is not None:
+            raise RankFailed(self.parts.watch.broken)
 
     def _settle(self, exc: BaseException) -> None:
         if self._started and not (self._calls and _on_stack(self._calls[0])):
@@ -186,6 +211,7 @@ class RootForward:
     def _pre_forward(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if in_backward():
             return None  # a recomputation of activation checkpointing: backward's, not a forward
+        self.settle_backward()
         frame = _call_frame()
         if self._handed:  # engine(x) started this forward already (a root compiled in place)
             self._handed = False

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from z3kit.device import use_device
 from z3kit_recipes.zero3.training.chunked_optimizer import ChunkedStep
 
 #: chunks a host step is cut into (a gather waits for one chunk, not the step)
@@ -113,6 +114,7 @@ class HostStep:
     def _run(self, step: ChunkedStep, pairs: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor]],
              grads_ready: Any, factor: float | torch.Tensor | None) -> None:
         try:
+            use_device(self.device)  # a new thread starts on device 0 (CUDA): the stream and events are this rank's
             if grads_ready is not None:
                 grads_ready.synchronize()
             host_factor = factor.to("cpu") if isinstance(factor, torch.Tensor) else factor
