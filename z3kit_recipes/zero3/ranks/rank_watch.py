@@ -44,36 +44,13 @@ from z3kit.device import event_after
 from z3kit.peer_watch import AllOf, Followed, PeerWatcher
 from z3kit.sideband import BoardReader, Notice, SideBand, WatchedWait, in_thread
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.ranks.notices import (
+    ANSWER_S, FAILED, LEFT, NOTE, PATIENCE_S, RECOVER, TRACE_ADVICE, WAITING, departure_place, quoted,
+)
 from z3kit_recipes.zero3.step.state import StepState
 
-FAILED = "failed: "
-NOTE = "note: "
-WAITING = "waiting: "
-#: a rank left the recorded trace of a step: "left: <micro-step> <fetch index> <what it does>"
-LEFT = "left: "
-#: how long a rank that found trouble gives the others to post their side
-ANSWER_S = 3.0
-#: how long a rank waits at a meeting before it warns that some ranks have not come
-PATIENCE_S = 10.0
-#: what trace departures (index >= 0) advise
-_TRACE_ADVICE = ("every rank must run the same modules in the same order (a rank-dependent subtree can be marked as a "
-                 "leaf module, gathered as one unit)")
-
-
-def departure_place(where: tuple[int, int]) -> str:
-    """Where a rank left the run the others follow: a forward fetch of a
-    micro-step, or (a negative index) a point before that micro-step's
-    forward: an unfreeze, an eval forward (``zero3.ranks.uneven``)."""
-    micro, index = where
-    if index >= 0:
-        return f"left the recorded step at fetch #{index} of micro-step {micro}"
-    return f"after {micro} backward(s)"
-
 T = TypeVar("T")
-#: what works after a failure (the engine's group can no longer pair; the user's default group still does)
-RECOVER = ("This engine is done: resume from the last checkpoint with a new engine (zero3.initialize, which makes "
-           "a group of its own, then engine.load_checkpoint), or exit non-zero so that torchrun --max-restarts "
-           "restarts the job")
+
 
 class RankFailed(RanksDisagree):
     """A rank failed, skipped its step, died or stopped answering; raised on every rank."""
@@ -268,7 +245,7 @@ class RankWatch:
             if other is not None:
                 self.broken = (f"rank {self.rank} {departure_place(where)}: {what}; rank {other[0]} left at the same "
                                f"point, but {other[1]}")
-                raise RankFailed(self.broken + (f"; {_TRACE_ADVICE}" if where[1] >= 0 else ""))
+                raise RankFailed(self.broken + (f"; {TRACE_ADVICE}" if where[1] >= 0 else ""))
             alike = {r for r, at, did in self._left if at == where and did == what}
             if len(alike) == self.world - 1:
                 self._left = [entry for entry in self._left if entry[1] != where]
@@ -305,7 +282,7 @@ class RankWatch:
                            f"({self.describe()})")
             if self.board is not None:
                 self.board.post(f"{WAITING}{self.broken}")
-            raise RankFailed(self.broken + (f"; {_TRACE_ADVICE}" if at[1] >= 0 else ""))
+            raise RankFailed(self.broken + (f"; {TRACE_ADVICE}" if at[1] >= 0 else ""))
         failures = [n for n in notices if n.message.startswith((FAILED, WAITING))]
         if not failures:
             return
@@ -358,9 +335,3 @@ class RankWatch:
                          "its host is unreachable) or busy outside this engine")
         self.broken = "; ".join(parts)
         return self.broken
-
-
-def quoted(notice: Notice) -> str:
-    """A notice as part of a message: its rank, then what it said (which may name the rank already)."""
-    said = notice.message.split(": ", 1)[1]
-    return said if said.startswith(f"rank {notice.rank} ") else f"rank {notice.rank} {said}"

@@ -25,7 +25,8 @@ import weakref
 from z3kit import process_group
 from z3kit.peer_watch import PeerWatcher
 from z3kit.sideband import BoardReader, Notice
-from z3kit_recipes.zero3.ranks.rank_watch import ANSWER_S, FAILED, WAITING, RankWatch, quoted
+from z3kit_recipes.zero3.ranks.notices import ANSWER_S, FAILED, WAITING, quoted
+from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 
 
 class EngineWatcher:

@@ -66,7 +66,6 @@ Note: a root compiled in place.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -79,11 +78,10 @@ from z3kit.dynamo import is_compile_wrapper, is_compiled
 from z3kit.hooks import in_backward, outside_graphs
 from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.build import EngineParts
+from z3kit_recipes.zero3.runtime.call_frames import call_frame, on_stack
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.step.state import Forward, Phase
 
-#: the code of ``nn.Module.__call__``: the frame of a call of the root runs it
-_CALL_CODE = nn.Module.__call__.__code__
 #: a forward's arguments: (args, kwargs)
 Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -193,7 +191,7 @@ class RootForward:
             raise RankFailed(self.parts.watch.broken)
 
     def _settle(self, exc: BaseException) -> None:
-        if self._started and not (self._calls and _on_stack(self._calls[0])):
+        if self._started and not (self._calls and on_stack(self._calls[0])):
             self._fail(exc)
 
     @contextlib.contextmanager
@@ -212,13 +210,13 @@ class RootForward:
         if in_backward():
             return None  # a recomputation of activation checkpointing: backward's, not a forward
         self.settle_backward()
-        frame = _call_frame()
+        frame = call_frame()
         if self._handed:  # engine(x) started this forward already (a root compiled in place)
             self._handed = False
             self._calls.append(frame)
             return None
         if self._started:
-            if self._calls and _on_stack(self._calls[0]):
+            if self._calls and on_stack(self._calls[0]):
                 self._calls.append(frame)  # a nested call: the outer forward's
                 return None
             self._fail(ForwardLost(LOST))
@@ -272,7 +270,7 @@ class RootForward:
         return args, kwargs
 
     def _post_forward(self) -> None:
-        frame = _call_frame()
+        frame = call_frame()
         # this call, and calls inside it whose post-forward never ran
         mine = [i for i, f in enumerate(self._calls) if f is frame]
         if not mine:
@@ -331,23 +329,3 @@ def starts_compiled(root: nn.Module) -> bool:
     (``model.compile()``). A ``torch.compile(model)`` wrapper runs its hooks
     before its compiled forward."""
     return is_compiled(root) and not is_compile_wrapper(root)
-
-
-def _call_frame() -> FrameType | None:
-    """The frame of the root's ``nn.Module.__call__`` that the running hook was called from."""
-    frame = inspect.currentframe()
-    while frame is not None and frame.f_code is not _CALL_CODE:
-        frame = frame.f_back
-    return frame
-
-
-def _on_stack(frame: FrameType | None) -> bool:
-    """Whether ``frame`` is still running in this thread (None, a call whose frame was not found: assumed so)."""
-    if frame is None:
-        return True
-    here = inspect.currentframe()
-    while here is not None:
-        if here is frame:
-            return True
-        here = here.f_back
-    return False
