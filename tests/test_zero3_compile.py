@@ -244,7 +244,7 @@ def run_compiled(
         "blocks": len(blocks_of(ref)),
         "eager_steps": eager_steps,
         "params": {n.replace(strip, ""): t for n, t in engine.full_state_dict().items()},
-        "ref_params": {n.replace(strip, ""): p.detach().clone() for n, p in ref.named_parameters()},
+        "ref_params": {n.replace(strip, ""): p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)},
     }
 
 

@@ -74,8 +74,12 @@ class Pending:
         """True once the collective finished on the device, as its works
         report it. ``timeout_s``: on a backend whose waits block the host,
         block up to that long for it first; elsewhere it is ignored, and this
-        only polls (see the Note). Having waited says nothing here: on an
-        accelerator ``wait()`` returns before the collective ran."""
+        only polls (see the Note). Having waited says nothing on an
+        accelerator, where ``wait()`` returns before the collective ran; on a
+        backend whose waits block the host it says all (some of its works,
+        torch's emulated reduce-scatter on gloo, never report completion)."""
+        if self._done and self.waits_on_host:
+            return True
         for work in self._works:
             if work.is_completed():
                 continue

@@ -209,11 +209,14 @@ class BlocksEngine:
         return sum(u.numel() for u in self.units if u.gathered)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value by name, on every rank (every rank calls it)."""
+        """Every parameter's full value under every name a plain model's
+        ``state_dict`` lists it by (tied ones share the tensor), on every
+        rank (every rank calls it)."""
         values: dict[str, torch.Tensor] = {}
         for u in self.units:
             values.update(u.full_values())
-        return {name: values[name] for name, _ in self.module.named_parameters()}
+        first = {id(p): name for name, p in self.module.named_parameters()}
+        return {name: values[first[id(p)]] for name, p in self.module.named_parameters(remove_duplicate=False)}
 
     def synchronize(self) -> None:
         self.streams.synchronize()

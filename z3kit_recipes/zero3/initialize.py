@@ -32,10 +32,10 @@ from z3kit_recipes.zero3.config.training_values import TrainingValues
 from z3kit_recipes.zero3.deepspeed_call import check_deepspeed_arguments, check_optimizer_argument
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.init_agreement import agree_at_init, summarize
+from z3kit_recipes.zero3.ranks.engine_group import engine_group
 from z3kit_recipes.zero3.ranks.topology import (
     check_mesh,
     hpz_size_for,
-    own_group,
     shard_size_for,
     topology_for,
 )
@@ -196,7 +196,7 @@ def initialize(
     tell(notes, dist.get_rank(process_group))
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
     # after the agreement: every rank builds the same mesh, over a group of the engine's own (see zero3.ranks.topology)
-    topology = topology_for(own_group(process_group), device_mesh, shard_size, device.type, hpz_size)
+    topology = topology_for(engine_group(process_group), device_mesh, shard_size, device.type, hpz_size)
     parts = assemble(model, optimizer, config, topology, device, leaves, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
 

@@ -44,6 +44,7 @@ from z3kit.device import event_after
 from z3kit.peer_watch import AllOf, Followed, PeerWatcher
 from z3kit.sideband import BoardReader, Notice, SideBand, WatchedWait, in_thread
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
+from z3kit_recipes.zero3.ranks.engine_group import spend
 from z3kit_recipes.zero3.ranks.notices import (
     ANSWER_S, FAILED, LEFT, NOTE, PATIENCE_S, RECOVER, TRACE_ADVICE, WAITING, departure_place, quoted,
 )
@@ -108,6 +109,8 @@ class RankWatch:
     @broken.setter
     def broken(self, message: str | None) -> None:
         self.step.broken = message
+        if message is not None:
+            spend(self.group)  # its collectives may never pair: the next engine gets a new group
 
     def describe(self) -> str:  # where this rank is, for a message
         return f"at optimizer step {self.step.global_step}, micro-step {self.step.micro_step}"

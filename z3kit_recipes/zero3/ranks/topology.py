@@ -32,7 +32,7 @@ Note: hpZ.
 Note: the engine's own group.
     ``world_group`` is not the group the user passed (or the default
     group) but one made for the engine at initialize over the same ranks
-    (``own_group``). After a rank fails, the engine's group holds
+    (``zero3.ranks.engine_group``). After a rank fails, the engine's group holds
     collectives that will never pair; the user's group does not, so the
     user's own collectives (a metrics all-reduce in an ``except``) still
     pair, and a new engine (``zero3.initialize`` again) gets a new group.
@@ -55,7 +55,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from z3kit.collectives import ProcessGroup
-from z3kit.process_group import timeout_of
 
 #: the dimension names of an HSDP mesh, outer (replicas) first
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -149,16 +148,6 @@ def check_mesh(mesh: object, world: int) -> DeviceMesh:
 def hsdp_mesh(device_type: str, world: int, shard_size: int) -> DeviceMesh:
     """The (replicate, shard) mesh of ``world // shard_size`` replicas (collective: every rank builds it)."""
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=MESH_DIM_NAMES)
-
-
-def own_group(group: ProcessGroup) -> ProcessGroup:
-    """A new group over ``group``'s ranks, with its backend and timeout: the
-    engine's own (see the Note). Every rank of ``group`` calls it."""
-    made = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=str(dist.get_backend(group)),
-                          timeout=timeout_of(group), use_local_synchronization=True)
-    if not isinstance(made, dist.ProcessGroup):  # a member of the ranks always gets the group
-        raise RuntimeError(f"torch.distributed.new_group gave {made!r} to a member of its ranks")
-    return made
 
 
 def from_mesh(mesh: DeviceMesh, world: ProcessGroup) -> Topology:

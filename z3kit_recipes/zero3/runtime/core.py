@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.monitor import StepMonitor
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
@@ -109,7 +110,10 @@ class EngineCore:
             self.parts.backward.once.in_engine_backward = True
             (loss if scaler is None else scaler.scale_loss(loss)).backward()
         except BaseException as exc:
+            broken = self.watch.broken  # before this rank's own failure is posted
             self._abort("backward", exc)
+            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RankFailed):
+                raise RankFailed(broken) from exc  # the watcher broke the engine and aborted its group: that is why
             raise
         finally:
             self.parts.backward.once.in_engine_backward = False

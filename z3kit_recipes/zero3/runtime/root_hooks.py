@@ -166,7 +166,10 @@ class RootForward:
         try:
             return root(*args, **kwargs)
         except BaseException as exc:
+            broken = self.parts.watch.broken  # before this rank's own failure is posted
             self._settle(exc)
+            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RankFailed):
+                raise RankFailed(broken) from exc  # the watcher broke the engine and aborted its group: that is why
             raise
 
     def settle(self) -> None:
