@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.monitor import StepMonitor
@@ -112,7 +113,7 @@ class EngineCore:
         except BaseException as exc:
             broken = self.watch.broken  # before this rank's own failure is posted
             self._abort("backward", exc)
-            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RankFailed):
+            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RanksDisagree):
                 raise RankFailed(broken) from exc  # the watcher broke the engine and aborted its group: that is why
             raise
         finally:

@@ -79,6 +79,7 @@ from z3kit.hooks import in_backward, outside_graphs
 from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.call_frames import call_frame, on_stack
+from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.step.state import Forward, Phase
 
@@ -168,7 +169,7 @@ class RootForward:
         except BaseException as exc:
             broken = self.parts.watch.broken  # before this rank's own failure is posted
             self._settle(exc)
-            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RankFailed):
+            if broken is not None and isinstance(exc, RuntimeError) and not isinstance(exc, RanksDisagree):
                 raise RankFailed(broken) from exc  # the watcher broke the engine and aborted its group: that is why
             raise
 
