@@ -71,6 +71,8 @@ class ModelStateHooks:
         #: the meeting of the outermost state_dict call, left when it ends
         self._meeting = contextlib.ExitStack()
         self._copies: dict[int, torch.Tensor] = {}  # one per parameter and call: tied names share it
+        #: the trainable parameters, read once at the outermost call
+        self._trainable: frozenset[int] = frozenset()
         self._loading = 0
         self._taken: set[str] = set()
         self.handles: list[Any] = []
@@ -119,10 +121,10 @@ class ModelStateHooks:
             if outermost:
                 self.engine.check_idle("model.state_dict()")
                 self._copies = {}
+                self._trainable = frozenset(self.engine.trainable)  # once per call, not per module
                 if not self._all_gathered(module):  # inside gathered_parameters() a rank may save alone
                     self._enter_meeting(self._what(module, "state_dict()"))
-            trainable = set(self.engine.trainable)
-            pids = sorted({pid for _, pid in self._own(module) if pid in trainable})
+            pids = sorted({pid for _, pid in self._own(module) if pid in self._trainable})
             self.engine.coordinator.pin(pids)
         except BaseException:  # no post-hook will run for this call: undo all of it
             for pinned in self._pinned:
@@ -138,12 +140,11 @@ class ModelStateHooks:
             return
         pids = self._pinned.pop()
         try:
-            trainable = set(self.engine.trainable)
             for name, pid in self._own(module):
                 key = prefix + name
                 if key not in state_dict:
                     continue
-                if pid in trainable:
+                if pid in self._trainable:
                     if pid not in self._copies:
                         self._copies[pid] = self.engine.shards[pid].param.detach().to("cpu", copy=True)
                     state_dict[key] = self._copies[pid]
@@ -159,9 +160,8 @@ class ModelStateHooks:
 
     def _all_gathered(self, module: nn.Module) -> bool:
         """Every trainable parameter under ``module`` is gathered already: its state needs no collective."""
-        trainable = set(self.engine.trainable)
         return all(self.engine.shards[pid].status is ParamStatus.AVAILABLE
-                   for p in module.parameters() if (pid := self._index.get(id(p))) is not None and pid in trainable)
+                   for p in module.parameters() if (pid := self._index.get(id(p))) is not None and pid in self._trainable)
 
     def _enter_meeting(self, what: str) -> None:
         self._meeting.enter_context(self.engine.parts.meeting.collective_call(what))

@@ -38,8 +38,7 @@ def save_16bit_model(
 ) -> bool:
     """Write the model's ``state_dict`` in the compute dtype to ``save_dir/save_filename``
     (collective; rank 0 writes); returns True, as DeepSpeed's does when it wrote."""
-    engine.check_idle("save_16bit_model")
-    engine.watch.check("save_16bit_model")
+    engine.check_idle("save_16bit_model")  # refuses a broken engine too
     if not isinstance(save_filename, str) or not save_filename or os.path.basename(save_filename) != save_filename:
         raise ValueError(f"save_16bit_model: save_filename must be a file name (no folder), got {save_filename!r}")
     path = Path(save_dir) / save_filename
