@@ -78,6 +78,7 @@ def summarize(
     hpz_size: int | None = None,
     training: bool,
     leaves: Sequence[nn.Module],
+    units: Sequence[nn.Module] = (),
     policies: Policies,
     derived_knobs: Mapping[str, int] | None,
     init_seed: int | None,
@@ -98,6 +99,7 @@ def summarize(
     settings["optimizer"] = "a factory (training engine)" if training else "None (inference-only engine)"
     names = {id(m): name or "<the model>" for name, m in model.named_modules()}
     settings["leaf modules"] = [names.get(id(m), type(m).__qualname__) for m in leaves]
+    settings["fetch units"] = [names.get(id(m), type(m).__qualname__) for m in units]
     settings["trace type"] = _type_name(policies.trace)
     settings["release policy type"] = _type_name(policies.release)
     settings["prefetch limiter type"] = _type_name(policies.limiter)

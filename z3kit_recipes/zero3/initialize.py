@@ -44,6 +44,7 @@ from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resol
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
 from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
 from z3kit_recipes.zero3.training.trainable import OptimizerFactory
+from z3kit_recipes.zero3.training.unit_rule import UnitChoice, UnitRule, choose_units
 
 
 def _resolve_device(model: nn.Module, group: ProcessGroup) -> torch.device:
@@ -71,6 +72,7 @@ def initialize(
     process_group: ProcessGroup | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     *,
+    fetch_units: UnitRule = "auto",
     device_mesh: DeviceMesh | None = None,
     auto: TrainingValues | None = None,
     trace: TraceRecorder | None = None,
@@ -113,6 +115,12 @@ def initialize(
     when given (a Hugging Face model's ``_init_weights``), else by each
     module's ``reset_parameters()``, from ``init_seed`` (default: rank 0's
     ``torch.initial_seed()``), the same on every rank.
+
+    ``fetch_units`` chooses the modules whose subtree one fetch gathers
+    (``zero3.training.unit_rule``): "auto" (the default), the blocks of each
+    stack (each decoder layer), or DeepSpeed's granularity rule where the
+    config sets ``module_granularity_threshold``; module classes or
+    instances name them; ``()`` fetches every module's own parameters.
 
     ``stream_pairs`` makes the stream pair of the gathers and the one of the
     reductions for a device (default: ``z3kit.streams.stream_pair_for``);
@@ -159,7 +167,11 @@ def initialize(
         trace = TraceRecorder()
     elif not isinstance(trace, TraceRecorder):
         raise TypeError(f"trace must be a TraceRecorder (or a subclass), got {type(trace).__name__}")
-    plan = _plan_budget(model, config, leaves, shard_size)
+    units = _choose_units(model, fetch_units, leaves, config, config.max_live_parameters)
+    plan = _plan_budget(model, config, leaves, units, shard_size)
+    if plan is not None and plan.knobs()["max_live_parameters"] < config.max_live_parameters:
+        units = _choose_units(model, fetch_units, leaves, config, plan.knobs()["max_live_parameters"])
+        plan = _plan_budget(model, config, leaves, units, shard_size)
     knobs = plan.knobs() if plan is not None else {name: getattr(config, name) for name in BUDGET_DERIVED}
     if release_policy is None:
         release_policy = StockReleasePolicy(
@@ -187,17 +199,17 @@ def initialize(
     # the last check, and the first collective: every rank got the same model and settings
     summary = summarize(
         model, config, world=world, shard_size=shard_size, hpz_size=hpz_size, training=optimizer is not None,
-        leaves=leaves,
+        leaves=leaves, units=units.roots,
         policies=policies, derived_knobs=None if plan is None else knobs,
         # the seed and the init function matter only where tensors are made on every rank
         init_seed=init_seed if meta else None, param_init_fn=param_init_fn if meta else None,
     )
     rank0_seed = agree_at_init(summary, process_group, device)
-    tell(notes, dist.get_rank(process_group))
+    tell((*notes, *units.notes()), dist.get_rank(process_group))
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
     # after the agreement: every rank builds the same mesh, over a group of the engine's own (see zero3.ranks.topology)
     topology = topology_for(engine_group(process_group), device_mesh, shard_size, device.type, hpz_size)
-    parts = assemble(model, optimizer, config, topology, device, leaves, policies, plan, meta_init, stream_pairs)
+    parts = assemble(model, optimizer, config, topology, device, leaves, units, policies, plan, meta_init, stream_pairs)
     return Zero3Engine(parts)
 
 
@@ -234,12 +246,21 @@ def _optimizer_factory(factory: OptimizerFactory | None, config: Zero3Config) ->
     return factory if factory is not None else config.optimizer
 
 
-def _plan_budget(model: nn.Module, config: Zero3Config, leaves: list[nn.Module], world: int) -> MemoryPlan | None:
+def _choose_units(
+    model: nn.Module, rule: UnitRule, leaves: list[nn.Module], config: Zero3Config, max_live: int
+) -> UnitChoice:
+    return choose_units(model, rule, leaves, granularity_threshold=config.module_granularity_threshold,
+                        max_live_parameters=max_live)
+
+
+def _plan_budget(
+    model: nn.Module, config: Zero3Config, leaves: list[nn.Module], units: UnitChoice, world: int
+) -> MemoryPlan | None:
     """The knobs ``config.memory_budget`` stands for on this model, if it is set."""
     if config.memory_budget is None:
         return None
     params = [p for _, p in model.named_parameters()]
-    groups = fetch_groups(model, params, leaves)
+    groups = fetch_groups(model, params, leaves, units.roots)
     return plan_memory(
         config.memory_budget,
         model_numel=sum(p.numel() for p in params),

@@ -135,11 +135,13 @@ class ForwardContext:
         hooks: ModuleHooks,
         coordinator: ParamCoordinator,
         leaves: Iterable[nn.Module],
+        units: Iterable[nn.Module],
         step: StepState,
     ) -> None:
         self._mode = mode
         self._model, self._hooks, self._coordinator = module, hooks, coordinator
         self._leaves = list(leaves)
+        self._fetch_units = list(units)  # the fetch units (``zero3.training.unit_rule``)
         #: where the step is; this context sets whether the forward under way learns (``StepState.learning``)
         self._step = step
         #: the model's modules, listed again after a module registration anywhere
@@ -250,7 +252,7 @@ class ForwardContext:
         """Fetch units for the compiled blocks (only when they changed), and
         the mode's suspension around every hooked compiled module."""
         model, hooks, coordinator = self._model, self._hooks, self._coordinator
-        groups = fetch_groups(model, [s.param for s in coordinator.shards], self._leaves)
+        groups = fetch_groups(model, [s.param for s in coordinator.shards], self._leaves, self._fetch_units)
         old = coordinator.module_params
         if list(groups) != list(old):
             parents = {child: parent for parent in model.modules() for child in parent.children()}

@@ -77,6 +77,10 @@ class Zero3Config:
     loss_scaling: LossScaleConfig = attrs.field(factory=LossScaleConfig)
     #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
     reduce_scatter: bool | None = attrs.field(default=None)
+    #: DeepSpeed's ``stage3_module_granularity_threshold``: above 0, the fetch units are the outermost
+    #: modules whose elements per module with parameters are at most this (``zero3.training.unit_rule``)
+    #: instead of the blocks of each stack; 0: the blocks (or ``initialize``'s ``fetch_units``)
+    module_granularity_threshold: int = attrs.field(default=0, validator=int_validator(at_least=0))
     #: gathers in flight at once (demand fetches included)
     max_inflight_gathers: int = attrs.field(default=2, validator=int_validator(at_least=1))
     #: seconds a collective may wait for the other ranks before the engine gives up and

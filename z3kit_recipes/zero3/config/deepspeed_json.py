@@ -82,6 +82,7 @@ _ZERO_KEYS: Final = {
     "overlap_comm": "overlap_comm",
     "contiguous_gradients": "contiguous_gradients",
     "reduce_scatter": "reduce_scatter",
+    "stage3_module_granularity_threshold": "module_granularity_threshold",
 }
 _INT_FIELDS: Final = frozenset({*(v for k, v in _ZERO_KEYS.items() if k.startswith(("stage3", "reduce_bucket"))),
                                 "gradient_accumulation_steps", "mics_shard_size", "hpz_partition_size"})

@@ -50,7 +50,6 @@ INERT_ZERO: Final[Mapping[str, str]] = {
     "use_multi_rank_bucket_allreduce": _STAGES_1_2,
     "stage3_model_persistence_threshold": "a cap on how many elements stay gathered: memory, not values",
     "model_persistence_threshold": "a cap on how many elements stay gathered: memory, not values",
-    "stage3_module_granularity_threshold": "how many modules one fetch covers: hook cost, not values",
     "stage3_use_all_reduce_for_fetch_params": "gathers by all-reduce instead of all-gather: the same values",
     "stage3_allgather_sequential": "gathers one at a time: speed, not values",
     "memory_efficient_linear": "DeepSpeed's linear that saves less for backward under zero.Init: memory, not "

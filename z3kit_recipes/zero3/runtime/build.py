@@ -47,6 +47,7 @@ from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
+from z3kit_recipes.zero3.training.unit_rule import UnitChoice
 from z3kit_recipes.zero3.training.layout import ShardLayout
 from z3kit_recipes.zero3.training.loss_scale import LossScaler
 from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
@@ -134,6 +135,7 @@ def assemble(
     topology: Topology,
     device: torch.device,
     leaf_modules: list[nn.Module],
+    units: UnitChoice,
     policies: Policies,
     memory_plan: MemoryPlan | None,
     meta_init: MetaInit,
@@ -188,7 +190,7 @@ def assemble(
     record, timeline = StepRecord(), Timeline()
     agreement = FetchAgreement(group, device, watch, lambda: state.micro_step)
     leaf_roots = set(leaf_modules)
-    hooked = fetch_groups(module, params, leaf_roots)
+    hooked = fetch_groups(module, params, leaf_roots, units.roots)
     gatherer = Gatherer(
         layout.shards, group=topology.shard_group, streams=stream_pairs(device), trace=policies.trace,
         limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
@@ -249,7 +251,8 @@ def assemble(
         optimizer=optimizer, lr_scheduler=lr_scheduler, trace=policies.trace, limiter=policies.limiter, record=record,
         gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
-        forward_context=ForwardContext(ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, state),
+        forward_context=ForwardContext(
+            ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, units.roots, state),
         backward=backward, optimizer_step=optimizer_step, model_watch=ModelWatch(module), stats=stats,
         trainable_watch=TrainableWatch(
             layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,

@@ -75,6 +75,9 @@ class Zero3Stats:
     #: ``z3kit.links``; nodes as torchrun's ``LOCAL_WORLD_SIZE`` says (one node without it)
     link_bytes: dict[str, int] = attrs.field(factory=lambda: {link.value: 0 for link in LinkClass})
     nodes: int = 1
+    #: hooked modules, each one fetch (the root, the fetch units, leaf units and every other
+    #: module with parameters of its own; ``zero3.training.unit_rule``)
+    fetch_units: int = 0
 
     @property
     def comm_wait_share(self) -> float:
@@ -115,7 +118,7 @@ def _table(s: Zero3Stats) -> list[str]:
         f"  resident elements     params {count(s.resident_param_numel)}, fp32 masters {count(s.resident_master_numel)}, "
         f"grads {count(s.resident_grad_numel)}",
         f"  gathered elements     now {count(s.live_numel)}, peak {count(s.peak_live_numel)} of "
-        f"{count(s.max_live_parameters)} (largest fetch {count(s.largest_fetch_numel)})",
+        f"{count(s.max_live_parameters)} (largest fetch {count(s.largest_fetch_numel)}, {s.fetch_units} fetch units)",
         f"  buckets               reduce {count(s.reduce_bucket_numel)}, prefetch {count(s.prefetch_bucket_numel)} elements",
         "  collectives           " + (", ".join(
             f"{kind} {c['calls']} call(s), {size(c.get('bytes', 0))}" for kind, c in sorted(s.collectives.items())
@@ -177,4 +180,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         skipped_steps=0 if scaler is None else scaler.skipped,
         link_bytes=last.link_bytes,
         nodes=1 if parts.log.node_map is None else parts.log.node_map.nodes(),
+        fetch_units=len(coordinator.module_params),
     )

@@ -6,6 +6,9 @@ whole subtree at its root, and the modules inside it are not hooked. The
 root is always hooked, with or without parameters of its own, so that the
 runtime sees every forward start and end.
 
+A fetch unit (``zero3.training.unit_rule``: by default each block of a
+stack) fetches its whole subtree at its root in the same way.
+
 A compiled submodule (``block.compile()``, or ``torch.compile(block)`` put
 into the model) is a unit too: it fetches its whole subtree at its root, so
 that the compiled code finds every parameter gathered and no hook inside it
@@ -75,12 +78,16 @@ def compiled_units(model: nn.Module, leaves: Iterable[nn.Module] = ()) -> list[n
 
 
 def fetch_groups(
-    model: nn.Module, params: Sequence[nn.Parameter], leaves: Iterable[nn.Module]
+    model: nn.Module, params: Sequence[nn.Parameter], leaves: Iterable[nn.Module], units: Iterable[nn.Module] = ()
 ) -> dict[nn.Module, list[int]]:
-    """Hooked module -> ids (positions in ``params``) of the parameters it fetches."""
+    """Hooked module -> ids (positions in ``params``) of the parameters it
+    fetches. ``units`` are the fetch units (``zero3.training.unit_rule``); one
+    that holds a compiled submodule gives way to it, so that no compiled
+    code runs unhooked inside a unit."""
     index = {id(p): pid for pid, p in enumerate(params)}
     leaf_roots = set(leaves)
-    roots = leaf_roots | set(compiled_units(model, leaf_roots))
+    compiled = set(compiled_units(model, leaf_roots))
+    roots = leaf_roots | compiled | {u for u in units if not any(m in compiled for m in u.modules() if m is not u)}
     inside_leaf = {m for leaf in roots for m in leaf.modules() if m is not leaf}
     groups: dict[nn.Module, list[int]] = {}
     for m in model.modules():
