@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.hook_context import in_backward
+from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.nested import iter_tensors, map_tensors
 
 Event = tuple[str, str]

@@ -29,7 +29,7 @@ from tests.zero3_models import (
     rel_norm_error,
     train_steps,
 )
-from z3kit.hooks import in_backward
+from z3kit.hook_context import in_backward
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import StockReleasePolicy
 from z3kit.trace import TraceRecorder

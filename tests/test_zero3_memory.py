@@ -101,7 +101,10 @@ def test_each_buffer_lives_when_it_should(pools: Any, world: int, dtype: str) ->
         # (two alternating, or one gradient reduced on its own)
         peak = r["peak_of_step"]
         assert peak["grad_partitions"] == shards * 4
-        assert 0 < peak["grad_buckets"] <= ((MAX_FLIGHTS + 1) * r["bucket_cap"] + r["largest_padded"]) * elsize
+        if world == 1:  # gradients go straight into the partitions: no bucket (zero3.training.grads)
+            assert peak["grad_buckets"] == 0
+        else:
+            assert 0 < peak["grad_buckets"] <= ((MAX_FLIGHTS + 1) * r["bucket_cap"] + r["largest_padded"]) * elsize
         assert 0 < peak["gathered_params"]
         assert max(peak.values()) <= r["peak_total"] <= sum(peak.values())
         assert r["device_peak"] is None  # a CPU has no allocator peak

@@ -7,7 +7,9 @@ from z3kit.collectives import CollectiveKind, CollectiveLog, Pending, all_gather
 from z3kit.device import DeviceInfo, accelerator_type, backend_for, resolve_device
 from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
-from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.hook_context import in_backward
+from z3kit.hooks import HookActions, ModuleHooks
+from z3kit.host_work import HostWork
 from z3kit.leaf import LeafModuleHook
 from z3kit.links import LinkClass, NodeMap
 from z3kit.nested import iter_tensors, map_tensors
@@ -28,6 +30,7 @@ __all__ = [
     "GatherHandle",
     "GradPartitionBuffer",
     "HookActions",
+    "HostWork",
     "ImmediateReleasePolicy",
     "LeafModuleHook",
     "LinkClass",

@@ -47,7 +47,8 @@ class GradPartitionBuffer:
 
     def accumulate(self, index: int, partition: torch.Tensor) -> None:
         """Copy (first contribution in the window) or add ``partition`` into view ``index``."""
-        self._check_index(index)
+        if type(index) is not int or not 0 <= index < len(self.views):  # noqa: E721 (a bool is refused too)
+            self._check_index(index)
         if not isinstance(partition, torch.Tensor):
             raise TypeError(f"partition must be a torch.Tensor, got {type(partition).__name__}")
         if not partition.is_floating_point():

@@ -74,28 +74,16 @@ tables, never on the modules.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import attrs
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from z3kit.hook_context import in_backward, outside_graphs
+from z3kit.host_work import HostWork
 from z3kit.nested import iter_tensors, map_tensors
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def outside_graphs(fn: _F) -> _F:
-    """``fn`` always runs eagerly: torch.compile never traces it (a graph break where compiled code calls it)."""
-    return cast(_F, torch.compiler.disable(fn, recursive=True))
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass in this thread
-    (forwards seen then are activation-checkpoint recomputations)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
 
 def _needs_wrap(t: torch.Tensor) -> bool:
     # ``type(t) is torch.Tensor`` first: nn.Parameter's isinstance check runs
@@ -137,6 +125,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks.work.hooks += 1
         for later in reversed(ctx.closes):  # the innermost, latest call first
             ctx.hooks._post_backward(later)
         ctx.hooks._pre_backward(ctx.call)
@@ -156,6 +145,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks.work.hooks += 1
         ctx.hooks._post_backward(ctx.call)
         return (None, None, *grads)
 
@@ -164,6 +154,7 @@ def _wrap_tensors(
     fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """``tensors`` passed through one ``fn`` node."""
+    hooks.work.functions += 1
     wrapped: tuple[torch.Tensor, ...] = fn.apply(hooks, call, *tensors)
     return wrapped
 
@@ -188,8 +179,10 @@ class ModuleHooks:
     inputs need no gradient).
     """
 
-    def __init__(self, actions: HookActions) -> None:
+    def __init__(self, actions: HookActions, work: HostWork | None = None) -> None:
         self.default_actions = actions
+        #: the hook calls and Function applications counted (``z3kit.host_work``)
+        self.work = HostWork() if work is None else work
         self.active: list[nn.Module] = []
         self._handles: dict[nn.Module, list[RemovableHandle]] = {}
         self._actions: dict[nn.Module, HookActions] = {}
@@ -205,11 +198,13 @@ class ModuleHooks:
 
         @outside_graphs
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self.work.hooks += 1
             with torch._C.DisableTorchFunction():
                 return self._pre_forward(mod, self._actions[module], args, kwargs)
 
         @outside_graphs
         def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            self.work.hooks += 1
             with torch._C.DisableTorchFunction():
                 return self._post_forward(mod, self._actions[module], output)
 

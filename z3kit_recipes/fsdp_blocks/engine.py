@@ -31,7 +31,8 @@ from z3kit.collectives import CollectiveLog, Pending, all_reduce, broadcast
 from z3kit.flat_bucket import BucketFlush
 from z3kit.grad_hooks import on_grad_accumulated
 from z3kit.grad_partition import GradPartitionBuffer, clip_coefficient
-from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.hook_context import in_backward
+from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit_recipes.fsdp_blocks.config import BlocksConfig
 from z3kit_recipes.fsdp_blocks.plan import Plan

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit.hooks import in_backward, outside_graphs
+from z3kit.hook_context import in_backward, outside_graphs
 from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.step.position import EVAL_BASE

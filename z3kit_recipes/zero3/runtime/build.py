@@ -46,6 +46,7 @@ from z3kit_recipes.zero3.step.state import StepState
 from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
+from z3kit_recipes.zero3.training.one_rank_reducer import OneRankReducer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
 from z3kit_recipes.zero3.training.unit_rule import UnitChoice
 from z3kit_recipes.zero3.training.layout import ShardLayout
@@ -243,6 +244,7 @@ def assemble(
         log, memory, policies.limiter,
         comm_wait=lambda: gatherer.comm_wait_s + (0.0 if reducer is None else reducer.comm_wait_s),
         rank_check=lambda: backward.check_s + agreement.seconds,
+        work=hooks.work,
     )
     return EngineParts(
         module=module, config=config, group=group, topology=topology, device=device, rank=rank, world=world,
@@ -316,7 +318,8 @@ def _build_reducer(
         reduce_scatter = dist.get_backend(topology.shard_group) != "gloo"
     # the mean over every rank's micro-batches, as DDP's, replicas included
     world = dist.get_world_size(topology.world_group)
-    return GradReducer(
+    one_rank = dist.get_world_size(topology.shard_group) == 1 and topology.replicate_group is None
+    return (OneRankReducer if one_rank else GradReducer)(
         layout.shards,
         layout.trainable,
         # one communicator for gathers and reductions (see the Note in zero3.training.step_checks)

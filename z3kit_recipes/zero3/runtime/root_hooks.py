@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from z3kit.dynamo import is_compile_wrapper, is_compiled
-from z3kit.hooks import in_backward, outside_graphs
+from z3kit.hook_context import in_backward, outside_graphs
 from z3kit.nested import map_tensors
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.call_frames import call_frame, on_stack

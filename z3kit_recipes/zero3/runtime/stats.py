@@ -78,6 +78,10 @@ class Zero3Stats:
     #: hooked modules, each one fetch (the root, the fetch units, leaf units and every other
     #: module with parameters of its own; ``zero3.training.unit_rule``)
     fetch_units: int = 0
+    #: the last optimizer step's host work (``z3kit.host_work``): Python hook calls ("hooks"), autograd
+    #: Function applications ("functions"), ``__torch_function__`` calls ("torch_functions"), and
+    #: "collectives" (calls, as in ``collectives``); counted, so that a test can pin them
+    host_work: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def comm_wait_share(self) -> float:
@@ -128,6 +132,8 @@ def _table(s: Zero3Stats) -> list[str]:
         f"rank checks {1000 * s.rank_check_s:.1f} ms",
         f"  trace                 {s.trace_state}, {s.trace_invalidations} invalidation(s); grad norm "
         + ("-" if s.last_grad_norm is None else f"{s.last_grad_norm:.4g}") + f"; host waits {s.host_waits}",
+        "  host work             " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in s.host_work.items())
+        + " in the last step",
     ]  # fmt: skip
     if s.nodes > 1:
         lines.append(f"  received by link      intra-node {size(s.link_bytes['intra_node'])}, "
@@ -181,4 +187,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         link_bytes=last.link_bytes,
         nodes=1 if parts.log.node_map is None else parts.log.node_map.nodes(),
         fetch_units=len(coordinator.module_params),
+        host_work=last.host_work,
     )

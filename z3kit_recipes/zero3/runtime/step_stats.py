@@ -14,6 +14,7 @@ from collections.abc import Callable
 import attrs
 
 from z3kit.collectives import CollectiveLog
+from z3kit.host_work import HostWork
 from z3kit.memory import MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 
@@ -30,6 +31,8 @@ class StepFigures:
     peak_live_numel: int
     #: bytes this rank received per link class (``CollectiveLog.link_snapshot``)
     link_bytes: dict[str, int]
+    #: the host work of the step (``z3kit.host_work``), and its collectives
+    host_work: dict[str, int]
 
 
 class StepStats:
@@ -43,13 +46,16 @@ class StepStats:
         limiter: PrefetchLimiter,
         comm_wait: Callable[[], float],
         rank_check: Callable[[], float],
+        work: HostWork,
     ) -> None:
         self._log, self._memory, self._limiter = log, memory, limiter
         self._comm_wait, self._rank_check = comm_wait, rank_check
+        self._work, self._work_at_step = work, work.snapshot()
         self._at_step = (log.snapshot(), log.link_snapshot(), time.perf_counter(), 0.0, 0.0)
         self._new_memory_window = True
         self.last = StepFigures(
-            _diff(log.snapshot(), log.snapshot()), 0.0, 0.0, 0.0, 0, {link: 0 for link in log.link_snapshot()}
+            _diff(log.snapshot(), log.snapshot()), 0.0, 0.0, 0.0, 0, {link: 0 for link in log.link_snapshot()},
+            {**work.since(work), "collectives": 0},
         )
 
     def training_forward(self) -> None:
@@ -69,8 +75,10 @@ class StepStats:
             rank_check_s=now[4] - check_before,
             peak_live_numel=self._limiter.high_water,
             link_bytes={link: now[1][link] - links_before[link] for link in now[1]},
+            host_work={**self._work.since(self._work_at_step),
+                       "collectives": sum(kind["calls"] for kind in _diff(now[0], log_before).values())},
         )
-        self._at_step = now
+        self._at_step, self._work_at_step = now, self._work.snapshot()
         self._limiter.reset_high_water()
         self._new_memory_window = True
 

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from z3kit.grad_hooks import on_grad_accumulated
-from z3kit.hooks import HookActions, ModuleHooks, in_backward
+from z3kit.hook_context import in_backward
+from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
@@ -102,6 +103,7 @@ class BackwardPass:
         ]
 
     def _on_grad_ready(self, param: torch.Tensor, pid: int) -> None:
+        self.hooks.work.hooks += 1
         if param.grad is not None:
             self._hand_over(pid, param, param.grad)
 

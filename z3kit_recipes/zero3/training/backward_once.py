@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from z3kit.hooks import ModuleHooks, in_backward, outside_graphs
+from z3kit.hook_context import in_backward, outside_graphs
+from z3kit.hooks import ModuleHooks
 from z3kit_recipes.zero3.ranks.agreement import StepRecord
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 

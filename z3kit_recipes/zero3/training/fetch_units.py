@@ -35,6 +35,9 @@ class FetchUnits:
         self.keys = {m: key for key, m in enumerate(module_params)}
         self._fetch_keys = {m: self._key_of(pids) for m, pids in module_params.items()}
         self._names = {m: name or "<root>" for name, m in _named(module_params)}
+        #: module -> (its name, the elements its fetch gathers), what a step's record lists per fetch;
+        #: made once here (and at ``join``), not on every fetch
+        self.records = {m: (self._names[m], sum(key[1])) for m, key in self._fetch_keys.items()}
 
     def _key_of(self, pids: list[int]) -> FetchKey:
         return tuple(pids), tuple(self.numels[p] for p in pids)
@@ -44,7 +47,7 @@ class FetchUnits:
 
     def numel(self, module: nn.Module) -> int:
         """Elements ``module``'s fetch gathers."""
-        return sum(self._fetch_keys[module][1])
+        return self.records[module][1]
 
     def name(self, module: nn.Module) -> str:
         """The module's qualified name in the model (its type for a module that is no unit)."""
@@ -61,7 +64,8 @@ class FetchUnits:
     def join(self, module: nn.Module, pid: int) -> None:
         """``module`` uses parameter ``pid`` outside its owner: its fetches gather it from now on."""
         self.module_params[module].append(pid)
-        self._fetch_keys[module] = self._key_of(self.module_params[module])
+        self._fetch_keys[module] = key = self._key_of(self.module_params[module])
+        self.records[module] = (self.name(module), sum(key[1]))
 
     @property
     def root(self) -> nn.Module:

@@ -228,14 +228,16 @@ class Gatherer:
     def prefetch(self) -> int:
         """Gather, in one collective, what the trace needs next, within
         budget (see the Note on the prefetch frontier); returns its elements."""
-        budget = self.limiter.budget()
-        if budget <= 0:
-            return 0
         if self._fetches is None:
             self._fetches = self.trace.fetches
             self._frontier = 0
         fetches = self._fetches
         i = max(self.trace.cursor, self._frontier)
+        if i >= len(fetches):  # everything ahead was looked at: the steady state once all is gathered
+            return 0
+        budget = self.limiter.budget()
+        if budget <= 0:
+            return 0
         picked: list[int] = []
         seen: set[int] = set()
         total = 0
@@ -254,6 +256,6 @@ class Gatherer:
                 i += 1
         self._frontier = i
         if picked:
-            with profiled(f"z3kit.prefetch {len(picked)} params"):
+            with profiled("z3kit.prefetch", len(picked), "params"):
                 self.gather(picked, wait=not self.overlap)
         return total

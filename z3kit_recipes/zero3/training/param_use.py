@@ -45,6 +45,7 @@ class ParamUseMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # traced by torch.compile: not watched (see zero3.compile.compiled)
             return func(*args, **kwargs)
+        self.hooks.work.torch_functions += 1
         if func in _METADATA_READS:
             return func(*args, **kwargs)
         index, user = self.coordinator.index, self.hooks.innermost()

@@ -15,13 +15,13 @@ is the step state's answer (``StepState.tracing``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from z3kit.hooks import in_backward
+from z3kit.hook_context import in_backward
 from z3kit.nested import iter_tensors
 from z3kit.release import ReleasePolicy
 from z3kit.shard import ParamStatus
@@ -123,10 +123,11 @@ class ParamCoordinator:
         the recorded trace vouches for it, the ranks agree on it first; in an
         eval or no_grad forward they agree on each fetch that gathers
         (``zero3.ranks.fetch_agreement``)."""
-        forward = self.step.tracing and not in_backward()
+        backward = in_backward()
+        forward = self.step.tracing and not backward
         if forward:
             self.traced.forward_fetch(module)
-        elif in_backward():
+        elif backward:
             self.traced.backward_fetch(module)
         elif self._gathers(self.module_params[module]):
             self.ranks.agree_untraced((self.units.name(module), self.units.numel(module)))
@@ -142,11 +143,15 @@ class ParamCoordinator:
         the module's parameters are released, except those it returns."""
         if in_backward():
             return  # a checkpoint recomputation: backward uses these now; post-backward releases
+        single = isinstance(output, torch.Tensor)
         if self.step.tracing:
-            needs_grad = (output.requires_grad if isinstance(output, torch.Tensor)
-                          else any(t.requires_grad for t in iter_tensors(output)))
+            needs_grad = output.requires_grad if single else any(t.requires_grad for t in iter_tensors(output))
             self.traced.forward_exit(module, needs_grad=needs_grad)
-        self.release(module, keep=self.params_in(output))
+        if single:
+            pid = self.index.get(id(output))
+            self.release(module, keep=() if pid is None else (pid,))
+        else:
+            self.release(module, keep=self.params_in(output))
 
     def fetch_for_backward(self, module: nn.Module) -> None:
         """Pre-backward: the schedule up to this module (see ``zero3.training.schedule``)."""
@@ -170,7 +175,7 @@ class ParamCoordinator:
         pids = self.module_params[module]
         matches = traced and self.traced.on_fetch(module)
         live_before = self.limiter.live_numel
-        with profiled(f"z3kit.fetch {self.units.name(module)}"):
+        with profiled("z3kit.fetch", self.units.name(module)):
             self._ensure_gathered(pids)
         self._note("fetch", module, self.limiter.live_numel - live_before)
         self.holds.hold(module, pids)
@@ -193,19 +198,19 @@ class ParamCoordinator:
         if self.rounds is not None:
             self.rounds.finish()
 
-    def release(self, module: nn.Module, keep: Iterable[int] = ()) -> None:
+    def release(self, module: nn.Module, keep: Collection[int] = ()) -> None:
         """Post-forward / post-backward: let go of the module's parameters;
         the policy picks which to free (``keep``: never these, e.g. returned ones)."""
         pids = self.module_params[module]
         self.holds.let_go(module, pids)
-        kept = set(keep)
+        persistent, shards, held = self.persistent, self.shards, self.holds.held
         candidates = [
             (p, self.numels[p])
             for p in pids
-            if not self.holds.held(p)
-            and not self.persistent[p]
-            and p not in kept
-            and self.shards[p].status is ParamStatus.AVAILABLE
+            if not persistent[p]
+            and shards[p].status is ParamStatus.AVAILABLE
+            and not held(p)
+            and p not in keep
         ]
         if not candidates:
             return
@@ -215,7 +220,7 @@ class ParamCoordinator:
             )
         else:  # outside a traced step (eval, no_grad) nothing is coming back soon
             chosen = [p for p, _ in candidates]
-        with profiled(f"z3kit.release {self.units.name(module)}"):
+        with profiled("z3kit.release", self.units.name(module)):
             freed = self.gatherer.free(chosen)
         self._note("release", module, freed)
 

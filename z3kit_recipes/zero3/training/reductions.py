@@ -88,7 +88,7 @@ class ReductionFlights:
     def issue_bucket(self, bucket: FlatBucket, window: GradWindow) -> None:
         """Flush ``bucket`` (the oldest flight is landed into ``window`` first when ``MAX_FLIGHTS`` are out)."""
         self._make_room(window)
-        with profiled(f"z3kit.reduce_bucket {len(bucket)} grads"):
+        with profiled("z3kit.reduce_bucket", len(bucket), "grads"):
             flush = bucket.flush(self.group, streams=self.streams, scale=self.scale, async_op=True, log=self.log)
         self._launch(_Flight(flush, None, [], bucket.nbytes), f"{len(bucket)} grads")
 

@@ -15,11 +15,15 @@ import attrs
 import torch
 
 
-def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
-    """A named range in torch.profiler traces; free when no profiler runs."""
+_NOTHING = contextlib.nullcontext()
+
+
+def profiled(*label: object) -> contextlib.AbstractContextManager[Any]:
+    """A range in torch.profiler traces named by ``label``'s parts joined by
+    spaces; free when no profiler runs (the name is not even made)."""
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.autograd.profiler.record_function(label)
-    return contextlib.nullcontext()
+        return torch.autograd.profiler.record_function(" ".join(str(part) for part in label))
+    return _NOTHING
 
 
 @attrs.frozen

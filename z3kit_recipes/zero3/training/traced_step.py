@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from z3kit.hooks import in_backward
+from z3kit.hook_context import in_backward
 from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.ranks.agreement import RankAgreement, StepRecord
 from z3kit_recipes.zero3.step.position import StepPosition
@@ -133,7 +133,7 @@ class TracedStep:
     def on_fetch(self, module: nn.Module) -> bool:
         """A fetch that is an entry of the trace: recorded; True when it matches the recorded trace."""
         ids, numels = self.units.fetch_key(module)
-        self.record.fetches.append((self.units.name(module), sum(numels)))
+        self.record.fetches.append(self.units.records[module])
         matches = self.trace.on_fetch(self.units.keys[module], ids, numels)
         self._fetch_index[module] = self.trace.cursor - 1
         return matches
