@@ -553,10 +553,10 @@ def test_from_deepspeed_fills_auto_sizes_from_the_model_only() -> None:
     sizes = ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "reduce_bucket_size",
              "stage3_max_reuse_distance", "stage3_max_live_parameters")
     ds = {"zero_optimization": {"stage": 3, **dict.fromkeys(sizes, "auto")}}
-    # a block of width 8: 12 * 8 * 8 + 13 * 8 = 872 elements
+    # a block of width 8: 12 * 8 * 8 + 13 * 8 = 872 elements; live: two blocks and a quarter (1744 + 218)
     c = Zero3Config.from_deepspeed(ds, hidden_size=8)
     assert (c.param_persistence_threshold, c.prefetch_bucket_size, c.reduce_bucket_size,
-            c.max_reuse_distance, c.max_live_parameters) == (80, 872, 872, 872, 1744)
+            c.max_reuse_distance, c.max_live_parameters) == (80, 872, 872, 872, 1962)
     assert Zero3Config.from_deepspeed(ds, hidden_size=16).prefetch_bucket_size == 12 * 16 * 16 + 13 * 16
     # without the model there is no value for "auto": refused, every key named, the way out said
     with pytest.raises(ValueError, match="hidden_size") as info:

@@ -397,7 +397,7 @@ INERT = {
 INERT_ZERO = {
     "allgather_partitions": True, "allgather_bucket_size": 2e8, "round_robin_gradients": True,
     "ignore_unused_parameters": True, "use_multi_rank_bucket_allreduce": True,
-    "stage3_model_persistence_threshold": 1e9, "stage3_module_granularity_threshold": 0,
+    "stage3_model_persistence_threshold": 1e9,
     "stage3_use_all_reduce_for_fetch_params": True, "stage3_allgather_sequential": False,
     "memory_efficient_linear": False, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
     "zero_quantized_weights": False, "zero_quantized_gradients": False, "elastic_checkpoint": False,
@@ -503,3 +503,11 @@ def test_the_engine_writes_deepspeeds_monitor_files_from_rank_0(pools: PoolSet, 
         assert [e.step for e in written] == [16, 32, 48]
         assert [e.value for e in written] == pytest.approx(rank0["losses"], rel=1e-6)
         assert [e.value for e in events.Scalars("Train/Samples/lr")] == pytest.approx(rank0["lrs"], rel=1e-6)
+
+
+def test_the_granularity_threshold_chooses_the_fetch_units() -> None:
+    """DeepSpeed's ``stage3_module_granularity_threshold`` is honoured (``zero3.training.unit_rule``), not inert."""
+    ds = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 5000}}
+    assert zero3.Zero3Config.from_deepspeed(ds).module_granularity_threshold == 5000
+    _, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed(ds))
+    assert not any("granularity" in note for note in notes)

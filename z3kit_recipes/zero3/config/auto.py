@@ -61,8 +61,13 @@ def auto_sizes(hidden_size: int) -> dict[str, int]:
     transformer block ``B`` (:func:`block_numel`), where Hugging Face uses
     ``hidden_size ** 2``: a prefetch gathers up to ``B``; gradients are
     reduced in buckets of ``B``; a parameter whose next use comes within
-    ``B`` fetched elements is kept at module exit; at most ``2 B`` elements
-    are live at once (a running module's own fetch is never refused).
+    ``B`` fetched elements is kept at module exit; at most ``2.25 B``
+    elements are live at once: a block running (one fetch unit, by
+    default), the next one prefetched beside it, and a quarter block for
+    what stays gathered between them (norms and biases under the
+    persistence threshold); with ``2 B`` a block unit's prefetch would fall
+    short by those and leave part of the next block to a gather that the
+    forward waits for (a running module's own fetch is never refused).
     """
     block = block_numel(hidden_size)
     return {
@@ -70,7 +75,7 @@ def auto_sizes(hidden_size: int) -> dict[str, int]:
         "prefetch_bucket_size": block,
         "reduce_bucket_size": block,
         "max_reuse_distance": block,
-        "max_live_parameters": 2 * block,
+        "max_live_parameters": 2 * block + block // 4,
     }
 
 
