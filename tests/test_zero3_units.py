@@ -115,3 +115,13 @@ def test_units_train_at_ddp_parity_with_fewer_gathers(pools: Any, workload: str)
         assert units < modules and gathers < module_gathers
     if workload == "hf_llama":  # the root, the embedding, two decoder layers, the final norm and the head
         assert auto[0][1] == 6
+
+
+def test_a_stack_of_stacks_gets_a_unit_per_block() -> None:
+    """T5's encoder and decoder are two of one class: the units are their blocks, not the stacks."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=2,
+                                             num_decoder_layers=2, num_heads=2, decoder_start_token_id=0))
+    roots = choose_units(t5, "auto", [], granularity_threshold=0, max_live_parameters=BIG).roots
+    assert _names(t5, roots) == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]

@@ -10,11 +10,12 @@ Note: the default rule (``fetch_units="auto"``).
     The blocks of a stack are units: a module that is not a container
     (``ModuleList``, ``Sequential``, ``ModuleDict``) whose class appears at
     least twice among the children of one module, and whose subtree holds
-    more than one module with parameters; the outermost such. An
-    unmodified Hugging Face decoder gets one unit per decoder layer, and
-    its embeddings, final norm and head fetch their own, as FSDP2 users
-    wrap them. A user predicts it from the model's printout: the repeated
-    blocks.
+    more than one module with parameters, and no such block of its own (a
+    stack of stacks, T5's encoder and decoder, gets a unit per block, not
+    per stack). An unmodified Hugging Face decoder gets one unit per
+    decoder layer, and its embeddings, final norm and head fetch their own,
+    as FSDP2 users wrap them. A user predicts it from the model's
+    printout: the innermost repeated blocks.
 
 Note: DeepSpeed's rule (``module_granularity_threshold`` > 0, the JSON's
 ``stage3_module_granularity_threshold``).
@@ -122,19 +123,20 @@ def choose_units(
 
 
 def _repeated_blocks(model: nn.Module, tree: _Tree) -> list[nn.Module]:
-    found: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
+    def blocks(m: nn.Module) -> list[nn.Module]:
+        """The units in ``m``'s subtree: the stacks' blocks that hold no such block themselves."""
         children = list(m.children())
         repeated = {cls for cls, n in collections.Counter(type(c) for c in children).items() if n > 1}
+        found: list[nn.Module] = []
         for c in children:
-            if type(c) in repeated and not isinstance(c, _CONTAINERS) and tree.owners(c) > 1:
+            inner = blocks(c)
+            if not inner and type(c) in repeated and not isinstance(c, _CONTAINERS) and tree.owners(c) > 1:
                 found.append(c)
             else:
-                visit(c)
+                found.extend(inner)
+        return found
 
-    visit(model)
-    return found
+    return blocks(model)
 
 
 def _by_granularity(model: nn.Module, tree: _Tree, threshold: int) -> list[nn.Module]:
