@@ -44,10 +44,12 @@ def _counts(ctx: WorkerContext, name: str) -> dict[str, Any]:
     }
 
 
-#: (workload, world) -> the last step's counts. The hooks: a pre- and post-forward per fetch unit, a pre- and
-#: post-backward per unit whose output and input need a gradient, and one gradient-ready hook per parameter
-_GPT = {"fetch_units": 13, "parameters": 100, "hooks": 140, "functions": 14, "torch_functions": 176}
-_LLAMA = {"fetch_units": 12, "parameters": 75, "hooks": 120, "functions": 21, "torch_functions": 591}
+#: (workload, world) -> the last step's counts. The hooks: a pre- and post-forward per fetch unit (13 x 2 on the GPT,
+#: 12 x 2 on the Llama), the backward pre- and post-points (14, 21), and a gradient-ready hook per parameter that
+#: two units fetch (the GPT's tied embedding and head: 1); every other gradient goes over with its unit's
+#: post-backward (``zero3.training.grad_owners``). Functions: the backward points' autograd nodes.
+_GPT = {"fetch_units": 13, "parameters": 100, "hooks": 41, "functions": 14, "torch_functions": 176}
+_LLAMA = {"fetch_units": 12, "parameters": 75, "hooks": 45, "functions": 21, "torch_functions": 591}
 EXPECTED: dict[tuple[str, int], dict[str, int]] = {
     # one rank: the gathers (the persistent parameters again after the step; the GPT's larger ones as prefetched)
     ("gpt", 1): {**_GPT, "collectives": 3},

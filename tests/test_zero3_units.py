@@ -125,3 +125,23 @@ def test_a_stack_of_stacks_gets_a_unit_per_block() -> None:
                                              num_decoder_layers=2, num_heads=2, decoder_start_token_id=0))
     roots = choose_units(t5, "auto", [], granularity_threshold=0, max_live_parameters=BIG).roots
     assert _names(t5, roots) == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+
+
+def test_each_gradient_has_one_hand_over() -> None:
+    """A parameter one module fetches goes over with that module's post-backward; one that two fetch (it
+    joined another unit) gets a hook of its own, and keeps it; a leaf unit's parameters are the unit's."""
+    from z3kit_recipes.zero3.training.fetch_units import FetchUnits
+    from z3kit_recipes.zero3.training.grad_owners import GradOwners
+
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    a, b, leaf = root[0], root[1], root[2]
+    units = FetchUnits({root: [], a: [0, 1], b: [2, 3], leaf: [4, 5]}, [4, 2, 4, 2, 4, 2])
+    owners = GradOwners(units, frozenset({4, 5}))
+    assert owners.add_trainable([0, 1, 2, 3, 4, 5]) == []
+    assert owners.by_module[a] == [0, 1] and owners.by_module[leaf] == [] and owners.module_handed == [0, 1, 2, 3]
+    units.join(b, 0)  # b uses a's weight: only a hook sees when both contributions are in
+    assert owners.sync() == [0]
+    assert owners.by_module[a] == [1] and owners.by_module[b] == [2, 3] and owners.module_handed == [1, 2, 3]
+    assert owners.sync() == []  # nothing changed since
+    units.regroup({root: [], a: [0, 1], b: [2, 3], leaf: [4, 5]})
+    assert owners.sync() == [] and owners.by_module[a] == [1]  # a hooked parameter keeps its hook

@@ -1,7 +1,10 @@
 """The backward pass of the stock runtime: gradients handed over, and its end.
 
-``BackwardPass`` owns the grad-ready hooks of the trainable parameters (a
-leaf unit hands its parameters' gradients over in one call instead), queues
+``BackwardPass`` hands the trainable parameters' gradients to the reducer:
+each hooked module's post-backward hands over those only it fetches, in
+one call, and a parameter that several modules fetch has a grad-ready hook
+of its own (``zero3.training.grad_owners``; a leaf unit hands its
+parameters' gradients over in one call too). It queues
 the end-of-backward callback from inside the first backward hook, and at the
 end of backward fetches the schedule's remaining entries, finishes the
 reductions, has the ranks compare what they did (``zero3.ranks.agreement``) and
@@ -34,6 +37,7 @@ from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.step.state import Phase, StepState
 from z3kit_recipes.zero3.training.backward_once import OneBackwardPerForward
+from z3kit_recipes.zero3.training.grad_owners import GradOwners
 from z3kit_recipes.zero3.training.grad_stand_ins import GradStandIns
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.params import ParamCoordinator
@@ -66,7 +70,7 @@ class BackwardPass:
         #: what the module hooks do (see the Note): a leaf unit's root gets the unit's version of them
         self.actions = HookActions(
             pre_forward=coordinator.fetch, post_forward=coordinator.forward_exit,
-            pre_backward=self.pre_backward, post_backward=coordinator.release,
+            pre_backward=self.pre_backward, post_backward=self.post_backward,
         )
         self.hooks = ModuleHooks(self.actions)
         leaf_params: set[int] = set()
@@ -79,6 +83,8 @@ class BackwardPass:
                 self.hooks.attach(m)
         #: parameters of leaf units, whose gradients the unit hands over
         self.leaf_params = frozenset(leaf_params)
+        #: which module hands over which gradient, and which parameters have a hook of their own
+        self.owners = GradOwners(coordinator.units, self.leaf_params)
         #: refuses a second backward over one forward (see ``zero3.training.backward_once``)
         self.once = OneBackwardPerForward(watch, self.hooks, record, coordinator.root)
         #: seconds spent finishing the ranks' comparison of a backward
@@ -94,13 +100,21 @@ class BackwardPass:
         self.watch_gradients(trainable)
 
     def watch_gradients(self, pids: Sequence[int]) -> None:
-        """Hand the gradients of ``pids`` to the reducer as they become ready
-        (a leaf unit's parameters are handed over by the unit)."""
-        self._grad_handles += [
-            on_grad_accumulated(self.shards[pid].param, self._on_grad_ready, pid)
-            for pid in pids
-            if pid not in self.leaf_params
-        ]
+        """Hand the gradients of ``pids`` to the reducer from now on (at initialize, and when they are unfrozen)."""
+        self._hook(self.owners.add_trainable(pids))
+
+    def _hook(self, pids: Sequence[int]) -> None:
+        self._grad_handles += [on_grad_accumulated(self.shards[p].param, self._on_grad_ready, p) for p in pids]
+
+    def post_backward(self, module: torch.nn.Module) -> None:
+        """The module's backward is done: the gradients only it fetches, handed over; its parameters released."""
+        shards = self.shards
+        for pid in self.owners.by_module.get(module, ()):
+            param = shards[pid].param
+            grad = param.grad
+            if grad is not None:
+                self._hand_over(pid, param, grad)
+        self.coordinator.release(module)
 
     def _on_grad_ready(self, param: torch.Tensor, pid: int) -> None:
         self.hooks.work.hooks += 1
@@ -135,9 +149,19 @@ class BackwardPass:
         it (the first hook to fire is the root's, in the outermost backward)."""
         if self.step.phase is Phase.BACKWARD or not in_backward():
             return
+        self._hook(self.owners.sync())  # a parameter that joined another unit since the last backward
         self.once.backward_starts()
         self.step.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
+
+    def _hand_over_rest(self) -> None:
+        """End of backward: what is still in a module-handed ``.grad`` (see the Note in
+        ``zero3.training.grad_owners``)."""
+        shards = self.shards
+        for pid in self.owners.module_handed:
+            param = shards[pid].param
+            if param.grad is not None:
+                self._hand_over(pid, param, param.grad)
 
     def host_waits(self) -> int:
         """Reads of the ranks' comparisons that had to wait for the device (``Zero3Stats.host_waits``)."""
@@ -165,6 +189,7 @@ class BackwardPass:
         """End of backward (or a backward that reached no hook of ours)."""
         try:
             self.hooks.finish_backward()
+            self._hand_over_rest()
             self.coordinator.finish_schedule()
             self.coordinator.finish_rounds()
             if self.reducer is not None and self.checks is not None:

@@ -27,8 +27,13 @@ class FetchUnits:
         self.numels = numels
         self.regroup(module_params)
 
+    #: grows whenever some unit's parameters change (``regroup``, ``join``): readers that derive
+    #: something from the lists compare it with the value they derived it at
+    version = 0
+
     def regroup(self, module_params: dict[nn.Module, list[int]]) -> None:
         """The units from now on (at initialize, and when compiled blocks become units)."""
+        self.version += 1
         #: module -> the ids of the parameters its fetch gathers
         self.module_params = module_params
         #: module -> its key in the trace
@@ -63,6 +68,7 @@ class FetchUnits:
 
     def join(self, module: nn.Module, pid: int) -> None:
         """``module`` uses parameter ``pid`` outside its owner: its fetches gather it from now on."""
+        self.version += 1
         self.module_params[module].append(pid)
         self._fetch_keys[module] = key = self._key_of(self.module_params[module])
         self.records[module] = (self.name(module), sum(key[1]))
