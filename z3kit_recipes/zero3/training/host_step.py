@@ -30,7 +30,11 @@ Note: the persistent parameters wait on their chunk too.
     as it first needs it, behind that gather's fence, like any other
     (``EngineCore.step``); they stay gathered from then on. So the chunks
     follow the trace's order alone, and ``step()`` returns while the first
-    chunk is still being stepped.
+    chunk is still being stepped. What it costs: that forward gathers even
+    when every parameter is persistent (an eval forward there meets the
+    other ranks, ``zero3.ranks.uneven``), and a parameter pinned by
+    ``gathered_parameters`` across the step is still gathered in ``step()``,
+    which then waits for its chunk.
 
 Note: what the main thread never touches while a step runs.
     The thread reads the host gradient buffers, its own copy of the

@@ -25,8 +25,9 @@ Note: the host step runs behind the next forward.
     (``zero3.training.host_step``), chunk by chunk in the order the next
     forward gathers them, and returns without waiting for any chunk (the
     persistent parameters it writes are gathered again by that forward,
-    not by the step); each gather waits only for its own chunk's write-back. The thread steps a stand-in of the optimizer that
-    holds the hyperparameters as they were at ``engine.step()``
+    not by the step); each gather waits only for its own chunk's
+    write-back. The thread steps a stand-in of the optimizer that holds the
+    hyperparameters as they were at ``engine.step()``
     (``zero3.training.chunked_optimizer``), so an LR schedule stepped right
     after it changes the next step, as without offload. Optimizers that
     cannot be stepped in chunks, or ``OffloadConfig(overlap=False)``, step
