@@ -289,7 +289,9 @@ def _held_first_chunk(ctx: WorkerContext) -> dict[str, Any]:
                     order.append("chunk 0 starts")
                     order.append("chunk 0 steps" if gate.wait(10) else "chunk 0 gave up waiting")
 
+            # the backward settled the last host step (its first gradient copy waits for it): no thread runs now
             host_step = engine.parts.optimizer_step.host_step
+            assert not host_step.running
             host_step.on_chunk = held
             gathers = engine.log.calls[CollectiveKind.ALL_GATHER]
             engine.step()
@@ -298,9 +300,7 @@ def _held_first_chunk(ctx: WorkerContext) -> dict[str, Any]:
             out.setdefault("gathers_in_step", []).append(engine.log.calls[CollectiveKind.ALL_GATHER] - gathers)
             out.setdefault("persistent_after_step", []).append(
                 [engine.shards[p].status is ParamStatus.NOT_AVAILABLE for p in persistent])
-            gate.set()
-            host_step.settle()
-            host_step.on_chunk = None
+            gate.set()  # and the next forward runs with the host step in flight, each gather behind its fence
         if offload is not None:
             out["order"] = order
         out["persistent"] = persistent
@@ -309,9 +309,10 @@ def _held_first_chunk(ctx: WorkerContext) -> dict[str, Any]:
 
 
 def test_step_returns_before_the_host_steps_its_first_chunk(pools: PoolSet) -> None:
-    """The first chunk holds the first parameters the next forward gathers, persistent ones included:
-    ``engine.step()`` returns while that chunk is held, the forward's gathers wait for it, and
-    training stays bitwise the run without offload."""
+    """The first chunk holds the first parameters the next forward gathers: ``engine.step()``
+    returns while that chunk is held, having gathered nothing (the persistent parameters are
+    left to the next forward, whose gathers wait for their chunks), and training stays bitwise
+    the run without offload."""
     for out in pools.run(2, _held_first_chunk):
         assert out["persistent"]  # the MLP's biases (13, 13, 5 elements) stay gathered between forwards
         # the gate opens once step() has returned: a step() that waited for the chunk would see it give up
