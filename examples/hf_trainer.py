@@ -72,8 +72,12 @@ def train(opts: argparse.Namespace) -> None:
         if opts.json:  # what DeepSpeed builds from the JSON's sections, with Trainer's "auto" values
             from deepspeed.runtime.lr_schedules import WarmupLR
 
+            from z3kit_recipes.zero3.config.json_optimizer import implementation
+
+            # fused where torch has the kernel, as z3kit builds the JSON's AdamW (and DeepSpeed fuses its own)
             adamw = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+                                      eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                                      **implementation(model.parameters()))
             optimizers = (adamw, WarmupLR(adamw, warmup_min_lr=0, warmup_max_lr=args.learning_rate,
                                           warmup_num_steps=args.get_warmup_steps(opts.steps)))
         trainer: Trainer = Trainer(model=model, args=args, optimizers=optimizers, **data)

@@ -23,7 +23,7 @@ from torch import nn
 
 from tests.dist_pool import PoolSet, WorkerContext, fresh_group
 from z3kit_recipes import zero3
-from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer, implementation
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 
@@ -122,6 +122,10 @@ def test_deepspeed_optimizer_semantics() -> None:
     defaults = JsonOptimizer.from_json("AdamW", {})(p).param_groups[0]
     # DeepSpeed's fused Adam's defaults, not torch AdamW's weight_decay=0.01
     assert (defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0)
+    # DeepSpeed steps it with a fused kernel: torch's, where torch has it for the masters' device, else foreach
+    assert defaults["fused"] is True and not defaults["foreach"]
+    assert implementation(p) == {"fused": True}
+    assert implementation([torch.empty(3, device="meta"), *p]) == {"foreach": True}
 
 
 def test_gradient_clipping_left_out_is_deepspeeds_default_said_once() -> None:

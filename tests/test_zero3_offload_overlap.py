@@ -259,3 +259,70 @@ def test_offload_under_hsdp_is_bitwise_hsdp(pools: PoolSet) -> None:
         assert all(torch.equal(plain["params"][k], offloaded["params"][k]) for k in plain["params"])
         assert offloaded["memory"]["optimizer_state"] == 0
         assert offloaded["memory"]["host_optimizer_state"] == plain["memory"]["optimizer_state"] > 0
+
+
+def _held_first_chunk(ctx: WorkerContext) -> dict[str, Any]:
+    """Steps with the first chunk of the host step held at its start until ``step()`` has returned,
+    against the same steps without offload."""
+    from z3kit.collective_log import CollectiveKind
+    from z3kit.shard import ParamStatus
+
+    out: dict[str, Any] = {}
+    for offload in (None, OffloadConfig()):
+        torch.manual_seed(0)
+        config = zero3.Zero3Config(param_persistence_threshold=20, gradient_clipping=0.5, offload_optimizer=offload)
+        engine = zero3.initialize(MLP(), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), config,
+                                  fresh_group(ctx))
+        persistent = [pid for pid, shard in enumerate(engine.shards) if shard.numel < 20]
+        gen, losses, order = torch.Generator().manual_seed(ctx.rank), [], []
+        for step in range(4):
+            loss = engine(torch.randn(6, 7, generator=gen)).pow(2).mean()
+            engine.backward(loss)
+            losses.append(loss.item())
+            if offload is None or step == 0:
+                engine.step()
+                continue
+            gate = threading.Event()
+
+            def held(index: int, gate: threading.Event = gate) -> None:
+                if index == 0:
+                    order.append("chunk 0 starts")
+                    order.append("chunk 0 steps" if gate.wait(10) else "chunk 0 gave up waiting")
+
+            # the backward settled the last host step (its first gradient copy waits for it): no thread runs now
+            host_step = engine.parts.optimizer_step.host_step
+            assert not host_step.running
+            host_step.on_chunk = held
+            gathers = engine.log.calls[CollectiveKind.ALL_GATHER]
+            engine.step()
+            order.append("step() returned")
+            # nothing gathered by the step: the persistent parameters wait for the next forward
+            out.setdefault("gathers_in_step", []).append(engine.log.calls[CollectiveKind.ALL_GATHER] - gathers)
+            out.setdefault("persistent_after_step", []).append(
+                [engine.shards[p].status is ParamStatus.NOT_AVAILABLE for p in persistent])
+            gate.set()  # and the next forward runs with the host step in flight, each gather behind its fence
+        if offload is not None:
+            out["order"] = order
+        out["persistent"] = persistent
+        out["plain" if offload is None else "offloaded"] = dict(losses=losses, params=engine.full_state_dict())
+    return out
+
+
+def test_step_returns_before_the_host_steps_its_first_chunk(pools: PoolSet) -> None:
+    """The first chunk holds the first parameters the next forward gathers: ``engine.step()``
+    returns while that chunk is held, having gathered nothing (the persistent parameters are
+    left to the next forward, whose gathers wait for their chunks), and training stays bitwise
+    the run without offload."""
+    for out in pools.run(2, _held_first_chunk):
+        assert out["persistent"]  # the MLP's biases (13, 13, 5 elements) stay gathered between forwards
+        # the gate opens once step() has returned: a step() that waited for the chunk would see it give up
+        assert "chunk 0 gave up waiting" not in out["order"] and len(out["order"]) == 9
+        for i in range(0, 9, 3):  # whether the thread reached the chunk before step() returned is its own affair
+            step = out["order"][i : i + 3]
+            assert sorted(step) == ["chunk 0 starts", "chunk 0 steps", "step() returned"]
+            assert step.index("step() returned") < step.index("chunk 0 steps")
+        assert out["gathers_in_step"] == [0, 0, 0]
+        assert out["persistent_after_step"] == [[True] * len(out["persistent"])] * 3
+        assert out["offloaded"]["losses"] == out["plain"]["losses"]
+        plain, offloaded = out["plain"]["params"], out["offloaded"]["params"]
+        assert all(torch.equal(plain[k], offloaded[k]) for k in plain)

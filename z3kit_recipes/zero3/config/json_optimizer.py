@@ -16,11 +16,27 @@ DeepSpeed's meaning (``DeepSpeedEngine._configure_basic_optimizer``):
 - ``torch_adam`` picks torch's implementation over DeepSpeed's fused one:
   the same update, and z3kit always uses torch's. ``max_grad_norm`` is
   refused (DeepSpeed refuses it too: clipping is ``gradient_clipping``).
+
+Note: torch's fused kernel.
+    DeepSpeed steps a JSON's Adam with a fused kernel (``FusedAdam`` on the
+    device, ``DeepSpeedCPUAdam`` for an offloaded optimizer); torch's default
+    Adam loops over the tensors one by one on the CPU, and an offloaded
+    step runs there. So the optimizer is built with ``fused=True`` where
+    torch has the kernel for every master's device: CPU (since torch 2.4,
+    below the floor of 2.7 in ``pyproject.toml``) and CUDA. Elsewhere (an
+    Ascend NPU, XPU) torch lists the device as fused-capable by its backend
+    name alone, and whether the backend registered the kernel shows only at
+    the first step, so ``foreach=True`` is used there: every backend runs
+    it. Both are elementwise, so stepping a shard equals stepping the same
+    elements of the whole tensor (parity with DDP holds bitwise when DDP's
+    twin builds the same flags: ``implementation``); the fused kernel's
+    rounding differs from the default loop's (1e-7 on fp32 after a few
+    steps).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -31,7 +47,17 @@ from z3kit.validate import check_bool, check_number
 
 #: the optimizer types of a DeepSpeed JSON that z3kit builds
 OPTIMIZERS: Final = ("Adam", "AdamW")
+#: device types whose fused Adam kernel is part of torch itself (see the Note on torch's fused kernel)
+FUSED_DEVICES: Final = frozenset({"cpu", "cuda"})
 _PARAMS: Final = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
+
+
+def implementation(params: Iterable[torch.Tensor]) -> dict[str, bool]:
+    """``fused=True`` where every tensor of ``params`` is on a device of
+    ``FUSED_DEVICES``, else ``foreach=True`` (see the Note on torch's fused
+    kernel): the flags to give ``torch.optim.Adam``/``AdamW`` alongside the
+    hyperparameters, for the engine's masters or a DDP twin's parameters."""
+    return {"fused": True} if all(p.device.type in FUSED_DEVICES for p in params) else {"foreach": True}
 
 
 def _betas(value: Any) -> tuple[float, float]:
@@ -81,4 +107,6 @@ class JsonOptimizer:
     def __call__(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer on ``params`` (the engine's master shards), all in one group."""
         kind = torch.optim.AdamW if self.adamw else torch.optim.Adam
-        return kind(list(params), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        masters = list(params)
+        return kind(masters, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                    **implementation(masters))

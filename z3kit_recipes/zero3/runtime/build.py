@@ -228,8 +228,8 @@ def assemble(
     step_kind: Any = OptimizerStep if offload is None else functools.partial(
         OffloadedStep, layout=layout, overlap=offload.overlap,
         final_landing=final_micro_step,
-        # the persistent parameters are gathered again right after the step, the rest as the forward needs them
-        gather_order=lambda: [p for p, on in enumerate(coordinator.persistent) if on] + policies.trace.param_order(),
+        # the next forward gathers them, persistent ones too, in the trace's order (host_step's Note)
+        gather_order=policies.trace.param_order,
     )
     optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
         optimizer, reducer, layout.shards, layout.trainable, layout.masters,

@@ -149,8 +149,11 @@ class EngineCore:
             self.parts.backward.stand_ins.clear()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()  # once per optimizer step, after it, as DeepSpeed's engine does
-        # every shard, stepped or not: what the window kept for its backwards (hpZ's slices) is freed
-        self.shards_changed()
+        # every shard, stepped or not: what the window kept for its backwards (hpZ's slices) is freed;
+        # persistent parameters that an offloaded step is still writing are gathered by the next
+        # forward as it needs them, not here, where the gather would wait for the host (host_step's Note)
+        step = self.parts.optimizer_step
+        self.shards_changed(written_later=frozenset() if step is None else step.written_later())
         self.step_state.global_step += 1
         if self.monitor is not None:  # after the scheduler's step: the lr the next step uses, as DeepSpeed writes
             scaler = self.parts.loss_scaler
@@ -232,12 +235,15 @@ class EngineCore:
         if self.parts.optimizer_step is not None:
             self.parts.optimizer_step.settle()
 
-    def shards_changed(self, pids: Iterable[int] | None = None) -> None:
+    def shards_changed(self, pids: Iterable[int] | None = None, *,
+                       written_later: frozenset[int] = frozenset()) -> None:
         """The shards (and masters) of ``pids`` were written: drop every copy
         made from them. ``pids``: parameter ids, positions in ``shards`` and
         ``param_names``; None: every parameter. Collective: every rank calls
         it with the same ``pids``, between forwards (inside a forward or a
-        backward it raises).
+        backward it raises). ``written_later``: ids whose shards are still
+        being written (``step()`` with the optimizer offloaded): their
+        persistent copies are gathered again by their next use, not now.
 
         Note: one owner for "the shards changed".
             Every path that writes shard values ends here, once it has
@@ -260,7 +266,7 @@ class EngineCore:
         wrong = [p for p in changed if not (isinstance(p, int) and 0 <= p < len(self.shards))]
         if wrong:
             raise ValueError(f"shards_changed takes parameter ids in [0, {len(self.shards)}), got {wrong[:4]}")
-        self.coordinator.shards_changed(changed)
+        self.coordinator.shards_changed(changed, written_later=written_later)
 
     def require_optimizer(self, what: str) -> torch.optim.Optimizer:
         """The optimizer, or a clear error for an inference-only engine."""
@@ -281,7 +287,8 @@ class EngineCore:
 
     def synchronize(self) -> None:
         """Wait for this rank's communication in flight (``step()`` leaves the
-        persistent parameters' refresh gathering) and for an offloaded
+        persistent parameters' refresh gathering, unless an offloaded step
+        still writes them) and for an offloaded
         optimizer step still running on the host. Call it before stopping a
         torch profiler: a gloo work issued under the profiler and completed
         after it stopped can crash the process."""

@@ -20,6 +20,22 @@ Note: who waits for what.
     (``settle``). An exception in the thread is raised there, on this
     rank, where a failed forward is posted to every rank.
 
+Note: the persistent parameters wait on their chunk too.
+    ``engine.step()`` frees the gathered copies of every shard it changed
+    and gathers the persistent ones again at once; a gather issued there
+    would wait for the host to step its chunk, so ``step()`` would wait for
+    the host. The parameters a running step writes (``writes``: fixed at
+    ``launch``, the same on every rank, never a measure of progress) are
+    therefore left to the next forward, which gathers each persistent one
+    as it first needs it, behind that gather's fence, like any other
+    (``EngineCore.step``); they stay gathered from then on. So the chunks
+    follow the trace's order alone, and ``step()`` returns while the first
+    chunk is still being stepped. What it costs: that forward gathers even
+    when every parameter is persistent (an eval forward there meets the
+    other ranks, ``zero3.ranks.uneven``), and a parameter pinned by
+    ``gathered_parameters`` across the step is still gathered in ``step()``,
+    which then waits for its chunk.
+
 Note: what the main thread never touches while a step runs.
     The thread reads the host gradient buffers, its own copy of the
     hyperparameters and aliases of the masters, and writes the masters'
@@ -84,10 +100,19 @@ class HostStep:
         self._error: BaseException | None = None
         #: called on the main thread once a step is settled (the ledger measures the state it created)
         self.on_settled: Callable[[], None] | None = None
+        #: called on the step's thread with a chunk's index before the chunk is stepped: a view of
+        #: the thread's progress for a profiler or a test (tests/test_zero3_offload_overlap.py holds
+        #: the first chunk there to show that ``engine.step()`` does not wait for it)
+        self.on_chunk: Callable[[int], None] | None = None
 
     @property
     def running(self) -> bool:
         return self._thread is not None
+
+    def writes(self) -> frozenset[int]:
+        """The parameters whose shards the running step writes (empty when none
+        runs), whether written yet or not: what ``launch`` was given."""
+        return frozenset(self._chunk_of)
 
     def launch(
         self,
@@ -119,6 +144,8 @@ class HostStep:
                 grads_ready.synchronize()
             host_factor = factor.to("cpu") if isinstance(factor, torch.Tensor) else factor
             for chunk in self._chunks:
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk.index)
                 for pid in chunk.pids:
                     if host_factor is not None:
                         pairs[pid][1].mul_(host_factor)

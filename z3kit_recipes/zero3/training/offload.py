@@ -23,9 +23,11 @@ Note: the host step runs behind the next forward.
     ``engine.step()`` steps the device masters, runs the optimizer's step
     hooks once, and starts the host masters' step on a thread of its own
     (``zero3.training.host_step``), chunk by chunk in the order the next
-    forward gathers them, and returns; each gather waits only for its own
-    chunk's write-back. The thread steps a stand-in of the optimizer that
-    holds the hyperparameters as they were at ``engine.step()``
+    forward gathers them, and returns without waiting for any chunk (the
+    persistent parameters it writes are gathered again by that forward,
+    not by the step); each gather waits only for its own chunk's
+    write-back. The thread steps a stand-in of the optimizer that holds the
+    hyperparameters as they were at ``engine.step()``
     (``zero3.training.chunked_optimizer``), so an LR schedule stepped right
     after it changes the next step, as without offload. Optimizers that
     cannot be stepped in chunks, or ``OffloadConfig(overlap=False)``, step
@@ -79,6 +81,9 @@ class OffloadedStep(OptimizerStep):
 
     def settle(self) -> None:
         self.host_step.settle()
+
+    def written_later(self) -> frozenset[int]:
+        return self.host_step.writes()
 
     def _measure_if_grown(self) -> None:
         if not self.host_step.running:  # else the thread is creating the state: measured once it settles

@@ -93,6 +93,10 @@ class OptimizerStep:
     def settle(self) -> None:
         """Wait for a step still running (``zero3.training.offload`` steps behind the next forward)."""
 
+    def written_later(self) -> frozenset[int]:
+        """Parameters whose shards the last step writes after it returned (offload: behind the next forward)."""
+        return frozenset()
+
     def _before_scaling(self) -> None:
         """Before the window is unscaled or clipped in place (offload copies it to the host first)."""
 

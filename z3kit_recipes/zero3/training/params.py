@@ -253,19 +253,21 @@ class ParamCoordinator:
         self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and not self.holds.pinned(p))
         self.gatherer.forget_trace()
 
-    def shards_changed(self, pids: Sequence[int]) -> None:
+    def shards_changed(self, pids: Sequence[int], *, written_later: frozenset[int] = frozenset()) -> None:
         """The shards of ``pids`` changed, between forwards (``EngineCore.shards_changed``
         is the one caller): every copy made from them is stale. Gathers in
         flight are completed and hpZ's slices dropped; gathered copies are
         freed, and those that stay gathered between forwards (persistent
         ones, and pinned ones: ``gathered_parameters``) are gathered again,
         in one collective (left in flight with ``overlap_comm``), ready for
-        the next forward."""
+        the next forward; persistent ones of ``written_later`` (shards an
+        offloaded step is still writing) are left to their next use, whose
+        gather waits for their write (``zero3.training.host_step``)."""
         self.gatherer.wait_inflight()
         self.gatherer.shards_updated(pids)
         stale = [p for p in pids if self.shards[p].status is ParamStatus.AVAILABLE]
         self.gatherer.free(stale)
-        again = [p for p in stale if self.persistent[p] or self.holds.pinned(p)]
+        again = [p for p in stale if (self.persistent[p] and p not in written_later) or self.holds.pinned(p)]
         if again:
             self.gatherer.gather(again, wait=not self.gatherer.overlap or any(self.holds.pinned(p) for p in again))
         self.gatherer.forget_trace()
