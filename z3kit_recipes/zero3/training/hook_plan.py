@@ -27,24 +27,30 @@ from z3kit.dynamo import is_compiled
 LeafSpec = type[nn.Module] | nn.Module
 
 
-def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Module]:
-    """The model's leaf-unit roots named by classes or instances (a leaf inside
-    another leaf is part of the outer unit)."""
+def modules_named(model: nn.Module, specs: Iterable[LeafSpec], argument: str) -> list[nn.Module]:
+    """The model's modules that ``specs`` (classes or instances) name, in the
+    order named, once each; ``argument`` names the caller's argument in messages."""
     modules = list(model.modules())
     chosen: list[nn.Module] = []
     for spec in specs:
         if isinstance(spec, type) and issubclass(spec, nn.Module):
             found = [m for m in modules if isinstance(m, spec)]
             if not found:
-                raise ValueError(f"leaf module class {spec.__name__} matches no module of the model")
+                raise ValueError(f"{argument}: class {spec.__name__} matches no module of the model")
             chosen.extend(found)
         elif isinstance(spec, nn.Module):
             if not any(spec is m for m in modules):
-                raise ValueError(f"leaf module {type(spec).__name__} instance is not part of the model")
+                raise ValueError(f"{argument}: the {type(spec).__name__} instance is not part of the model")
             chosen.append(spec)
         else:
-            raise TypeError(f"leaf_modules holds module classes or instances, got {type(spec).__name__}")
-    unique = list(dict.fromkeys(chosen))
+            raise TypeError(f"{argument} holds module classes or instances, got {type(spec).__name__}")
+    return list(dict.fromkeys(chosen))
+
+
+def resolve_leaves(model: nn.Module, specs: Iterable[LeafSpec]) -> list[nn.Module]:
+    """The model's leaf-unit roots named by classes or instances (a leaf inside
+    another leaf is part of the outer unit)."""
+    unique = modules_named(model, specs, "leaf_modules")
     inner = {m for leaf in unique for m in leaf.modules() if m is not leaf}
     leaves = [m for m in unique if m not in inner]
     for leaf in leaves:

@@ -43,6 +43,8 @@ from typing import Literal
 import attrs
 from torch import nn
 
+from z3kit_recipes.zero3.training.hook_plan import modules_named
+
 UnitSpec = type[nn.Module] | nn.Module
 UnitRule = Literal["auto"] | Iterable[UnitSpec]
 
@@ -105,7 +107,7 @@ def choose_units(
     else:
         if granularity_threshold > 0:
             raise ValueError("fetch_units names the units and module_granularity_threshold chooses them: pass one")
-        wanted = _named(model, rule)
+        wanted = modules_named(model, rule, "fetch_units")
     roots: list[nn.Module] = []
     splits: list[str] = []
     pending = list(wanted)
@@ -170,21 +172,3 @@ def _by_granularity(model: nn.Module, tree: _Tree, threshold: int) -> list[nn.Mo
 
     visit(model)
     return found
-
-
-def _named(model: nn.Module, specs: Iterable[UnitSpec]) -> list[nn.Module]:
-    modules = list(model.modules())
-    chosen: list[nn.Module] = []
-    for spec in specs:
-        if isinstance(spec, type) and issubclass(spec, nn.Module):
-            found = [m for m in modules if isinstance(m, spec)]
-            if not found:
-                raise ValueError(f"fetch_units class {spec.__name__} matches no module of the model")
-            chosen.extend(found)
-        elif isinstance(spec, nn.Module):
-            if not any(spec is m for m in modules):
-                raise ValueError(f"fetch_units: the {type(spec).__name__} instance is not part of the model")
-            chosen.append(spec)
-        else:
-            raise TypeError(f"fetch_units holds module classes or instances, got {type(spec).__name__}")
-    return list(dict.fromkeys(chosen))
