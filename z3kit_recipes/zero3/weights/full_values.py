@@ -10,7 +10,7 @@ them written back into every rank's shards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -21,7 +21,18 @@ from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers, state_dict_names
 
 
-def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+def _now(gather: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return gather()
+
+
+def full_state_dict(
+    engine: EngineCore,
+    *,
+    rank0_only: bool = False,
+    dtype: torch.dtype | None = None,
+    only: Collection[int] | None = None,
+    gather: Callable[[Callable[[], torch.Tensor]], torch.Tensor] = _now,
+) -> dict[str, torch.Tensor]:
     """Full parameter values and persistent buffers by name, on CPU
     (collective: every rank calls it), gathered one parameter at a time:
     the names and order of a plain model's ``state_dict()`` (a module or a
@@ -30,23 +41,29 @@ def full_state_dict(engine: EngineCore, *, rank0_only: bool = False) -> dict[str
     Trainable parameters come from the fp32 master shards (in bf16 runs
     too, so a checkpoint keeps full precision); frozen ones in their
     compute dtype. With ``rank0_only`` the other ranks return ``{}`` and
-    hold one parameter at a time.
+    hold one parameter at a time. ``dtype`` casts the floating-point ones,
+    ``only`` keeps those parameter ids (the same on every rank), and
+    ``gather`` runs each gather (``Together.call``, for a watched save).
     """
     engine.check_idle("full_state_dict")
     keep = not rank0_only or engine.rank == 0
     names = names_by_param(engine.module)
     found: dict[str, torch.Tensor] = {}
     for pid, shard in enumerate(engine.shards):
-        full = engine.layout.gather_full(pid, engine.topology.shard_group, engine.log)
+        if only is not None and pid not in only:
+            continue
+        full = gather(lambda: engine.layout.gather_full(pid, engine.topology.shard_group, engine.log))
         if keep:  # one tensor under each of its names, as state_dict gives it
-            value = full.view(shard.shape).to("cpu", copy=True)
+            cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+            value = full.view(shard.shape).to("cpu", dtype=cast, copy=True)
             found.update(dict.fromkeys(names[id(shard.param)], value))
+        del full
     if not keep:
         return {}
     buffers = persistent_buffers(engine.module)
     copies = {id(b): b.detach().to("cpu", copy=True) for b in buffers.values()}
     found.update({name: copies[id(b)] for name, b in buffers.items()})
-    return {name: found[name] for name in state_dict_names(engine.module, buffers)}
+    return {name: found[name] for name in state_dict_names(engine.module, buffers) if name in found}
 
 
 def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:

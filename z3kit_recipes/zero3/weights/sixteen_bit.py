@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights.pretrained import names_by_param, persistent_buffers
+from z3kit_recipes.zero3.weights.full_values import full_state_dict
 from z3kit_recipes.zero3.weights.together import Together
 
 #: DeepSpeed's default file name
@@ -44,23 +44,10 @@ def save_16bit_model(
     path = Path(save_dir) / save_filename
     together = Together.of(engine)
     keep = engine.rank == 0
-    dtype = engine.zero3_config.torch_dtype
-    trainable = set(engine.trainable)
-    names = names_by_param(engine.module)
-    state: dict[str, torch.Tensor] = {}
-    for pid, shard in enumerate(engine.shards):
-        # every rank skips the same ones: which parameters train is agreed at initialize
-        if exclude_frozen_parameters and pid not in trainable:
-            continue
-        full = together.call(lambda: engine.layout.gather_full(pid, engine.topology.shard_group, engine.log))
-        if keep:
-            # the masters' values in the compute dtype: what the shards hold after each step
-            value = full.view(shard.shape).to("cpu", dtype=dtype if full.is_floating_point() else full.dtype, copy=True)
-            for name in names[id(shard.param)]:
-                state[name] = value
-        del full
-    if keep:
-        state.update({name: b.detach().to("cpu", copy=True) for name, b in persistent_buffers(engine.module).items()})
+    # every rank skips the same ones: which parameters train is agreed at initialize;
+    # the masters' values in the compute dtype: what the shards hold after each step
+    state = full_state_dict(engine, rank0_only=True, dtype=engine.zero3_config.torch_dtype,
+                            only=set(engine.trainable) if exclude_frozen_parameters else None, gather=together.call)
     together.agreed(f"save_16bit_model: writing {path}", lambda: _write(state, path) if keep else None)
     return True
 
