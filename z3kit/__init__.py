@@ -7,7 +7,7 @@ from z3kit.collectives import CollectiveKind, CollectiveLog, Pending, all_gather
 from z3kit.device import DeviceInfo, accelerator_type, backend_for, resolve_device
 from z3kit.flat_bucket import BucketFlush, FlatBucket, ReduceMode
 from z3kit.grad_partition import GradPartitionBuffer
-from z3kit.hook_context import in_backward
+from z3kit.hook_context import at_backward_end, in_backward
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.host_work import HostWork
 from z3kit.leaf import LeafModuleHook
@@ -53,6 +53,7 @@ __all__ = [
     "TraceRecorder",
     "TraceState",
     "accelerator_type",
+    "at_backward_end",
     "all_gather",
     "all_reduce",
     "backend_for",

@@ -1,4 +1,13 @@
-"""Where a hook runs: inside a backward pass or not, and never inside a compiled graph."""
+"""Where a hook runs: inside a backward pass or not, never inside a compiled
+graph, and what runs when the backward pass ends.
+
+``at_backward_end`` is the one adapter over torch's private
+``Variable._execution_engine.queue_callback`` (torch has no public
+end-of-backward hook; ``tests/test_hook_context.py`` pins what it does):
+a runtime queues it from inside a backward hook, and the callback runs
+once that backward's graph task is done, every gradient accumulated.
+Under reentrant checkpointing, the outermost backward's.
+"""
 
 from __future__ import annotations
 
@@ -21,4 +30,11 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-__all__ = ["in_backward", "outside_graphs"]
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass under way ends (call it from inside one)."""
+    if not in_backward():
+        raise RuntimeError("at_backward_end is called from inside a backward pass (a backward hook)")
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+__all__ = ["at_backward_end", "in_backward", "outside_graphs"]

@@ -31,7 +31,7 @@ from z3kit.collectives import CollectiveLog, Pending, all_reduce, broadcast
 from z3kit.flat_bucket import BucketFlush
 from z3kit.grad_hooks import on_grad_accumulated
 from z3kit.grad_partition import GradPartitionBuffer, clip_coefficient
-from z3kit.hook_context import in_backward
+from z3kit.hook_context import at_backward_end, in_backward
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.streams import StreamPairLike, stream_pair_for
 from z3kit_recipes.fsdp_blocks.config import BlocksConfig
@@ -133,7 +133,7 @@ class BlocksEngine:
     def _queue_end(self) -> None:
         if not self._queued and in_backward():
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            at_backward_end(self._end_backward)
 
     def _pre_backward(self, module: nn.Module) -> None:
         self._queue_end()

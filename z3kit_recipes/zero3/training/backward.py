@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from z3kit.grad_hooks import on_grad_accumulated
-from z3kit.hook_context import in_backward
+from z3kit.hook_context import at_backward_end, in_backward
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
@@ -152,7 +152,7 @@ class BackwardPass:
         self._hook(self.owners.sync())  # a parameter that joined another unit since the last backward
         self.once.backward_starts()
         self.step.start_backward()
-        torch.autograd.Variable._execution_engine.queue_callback(self.end)
+        at_backward_end(self.end)
 
     def _hand_over_rest(self) -> None:
         """End of backward: what is still in a module-handed ``.grad`` (see the Note in
