@@ -96,7 +96,8 @@ class FSDP2Runner(_TorchOptimizerStep):
 
     With ``reshard_after_forward=False`` a module's parameters stay gathered
     from its forward to its backward (ZeRO-2-like memory for parameters,
-    no second all-gather in backward). ``mesh``: FSDP2's device mesh (a 2-D
+    no second all-gather in backward). ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: none,
+    fp32 throughout). ``mesh``: FSDP2's device mesh (a 2-D
     ("replicate", "shard") one is HSDP); by default a 1-D mesh over ``group``.
     """
 
@@ -108,7 +109,7 @@ class FSDP2Runner(_TorchOptimizerStep):
     def __init__(
         self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool, compiled: CompileSpec | None = None,
         mesh: DeviceMesh | None = None, optimizer: OptimizerFn = adam,
-        shard_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+        shard_units: Callable[[nn.Module], list[nn.Module]] | None = None, mp_policy: Any | None = None,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -118,9 +119,10 @@ class FSDP2Runner(_TorchOptimizerStep):
         if mesh is None:  # where the model lives: CPU under gloo, the rank's GPU under nccl (bench.gpu)
             mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         units = shard_units(model) if shard_units is not None else wl.blocks(model)
+        mp: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
         self.units = len(units) + 1
         if compiled is not None:  # after fully_shard, as FSDP2's documentation does it
             compiled.apply(wl, model)
