@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"parity", "host_syncs", "memory", "timing"}
+SECTIONS = {"parity", "host_syncs", "memory", "large", "timing"}
 CASES = {f"{model}/{dtype}" for model in ("gpt", "llama") for dtype in ("fp32", "bf16")}
 
 
@@ -58,6 +58,18 @@ def test_dry_run_reports_every_section(tmp_path: Path, world: int) -> None:
             assert phase["allocator_peak_bytes"] > 0 and phase["ledger_peak_total_bytes"] > 0
             assert phase["ledger_peak_bytes"]["param_shards"] > 0
 
+    large = sections["large"]
+    if world == 1:  # plain torch, FSDP2 and z3kit on the large section's Llama (a tiny one here), bf16
+        assert large["meaningful"] is False and large["dtype"] == "bf16" and large["params"] > 0
+        assert large["tokens_per_step"] == large["batch"] * large["seq"] and large["peak_bf16_flops"] is None
+        assert set(large["cases"]) == {"plain", "fsdp2", "z3kit"}
+        for case in large["cases"].values():
+            assert case["status"] == "ok" and case["host_s"] > 0 and case["device_s"] >= case["host_s"]
+            assert case["tokens_per_s"] > 0 and case["mfu"] is None and case["host_ahead"] is None
+        assert large["cases"]["plain"]["tokens_per_s_x_plain"] == 1.0
+    else:
+        assert large["cases"] == {} and "world 1 only" in large["note"]
+
     timing = sections["timing"]
     assert timing["meaningful"] is False
     expected = {"z3kit/fsdp2", "z3kit_offload/z3kit", "z3kit_offload_fused/z3kit"} | (
@@ -73,3 +85,17 @@ def test_dry_run_reports_every_section(tmp_path: Path, world: int) -> None:
             assert case["deepspeed"]["status"] == "skipped"  # only when DeepSpeed is not importable
 
     assert "result: PASS" in proc.stdout and "NOT meaningful" in proc.stdout
+
+
+def test_large_llama_is_about_1b_and_the_peak_is_looked_up_by_device_name() -> None:
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from z3kit_recipes.bench.gpu_large import LARGE_LLAMA, peak_flops
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = LlamaForCausalLM(LlamaConfig(**LARGE_LLAMA))
+    assert sum(p.numel() for p in model.parameters()) == 1_104_218_112
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("CPU") is None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from z3kit_recipes.bench.mesh_spec import MeshShape
+from z3kit_recipes.bench.overhead_cli import add_overhead_options
 from z3kit_recipes.bench.report import compare_to_ddp, render_table
 from z3kit_recipes.bench.runners import unavailable_reason
 from z3kit_recipes.bench.spec import (
@@ -148,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the runtime table: flat ZeRO-3, HSDP, hpZ and FSDP2-HSDP on R nodes of S "
                         "gloo ranks (LOCAL_WORLD_SIZE=S), by bytes crossing nodes, step time and memory "
                         "(--workload: default gpt; --threads: default 1; --world and --runtimes are ignored)")
-    p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="JSON report path")
+    add_overhead_options(p)
+    p.add_argument("--out", "--json", type=Path, default=Path("runs/bench.json"),
+                   help="JSON report path (--overhead: default runs/bench_overhead.json)")
     p.add_argument("--plot", action="store_true",
                    help="also write, next to --out, a PNG of step time against train peak memory "
                         "per (workload, world) (needs matplotlib)")
@@ -277,6 +280,10 @@ def run(args: argparse.Namespace) -> JSON:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     use_bytecode_cache(args.pycache_dir)
+    if args.overhead:  # host overhead per step over plain torch, in place of the runtime table
+        from z3kit_recipes.bench.overhead_cli import main_overhead
+
+        return main_overhead(args)
     if args.mesh is not None:  # the layouts' comparison in place of the runtime table
         from z3kit_recipes.bench.mesh import main_mesh
 

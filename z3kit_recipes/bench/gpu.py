@@ -15,9 +15,12 @@ built from a config, in fp32 and bf16 compute:
    synchronized (``bench.gpu_probes``);
 3. memory per phase (forward, backward, step): the allocator's peak next to
    what the engine's ``MemoryLedger`` held of each kind (``bench.gpu_probes``);
-4. step time of z3kit against FSDP2 (``fully_shard``), as a ratio, in fp32
+4. at world 1, a Llama of about 1.1B parameters in bf16, sequence 2048
+   (``bench.gpu_large``): tokens/s and MFU of plain torch, FSDP2 and z3kit,
+   and whether the host stays ahead of the device;
+5. step time of z3kit against FSDP2 (``fully_shard``), as a ratio, in fp32
    (``bench.gpu_timing``);
-5. with 2 or more GPUs, all of it again at world 2, timed against DeepSpeed
+6. with 2 or more GPUs, all of it again at world 2, timed against DeepSpeed
    ZeRO-3 too when it is importable; otherwise the report says why not.
 
 Each world runs in freshly spawned processes (``bench.gpu_rank``); a section
@@ -44,6 +47,7 @@ from typing import Any, Final
 
 import torch
 
+from z3kit_recipes.bench.gpu_large import LARGE_LLAMA
 from z3kit_recipes.bench.gpu_rank import CheckSpec, Sizes, rank_main
 from z3kit_recipes.bench.gpu_report import failures, render
 from z3kit_recipes.bench.rss import malloc_returns_freed_memory
@@ -56,16 +60,20 @@ _spawn: Callable[..., Any] = getattr(torch.multiprocessing, "spawn")
 
 #: on a GPU: the bench's own workloads (GPT 4096 vocab, width 256, 8 blocks; Llama 75.5M)
 GPU_SIZES: Final = Sizes(gpt=GPTConfig(), gpt_batch=4, llama=dict(LLAMA_CONFIG), llama_batch=4, llama_seq=64,
-                         parity_steps=10, warmup=3, sync_steps=5, timing_steps=20)
+                         parity_steps=10, warmup=3, sync_steps=5, timing_steps=20,
+                         large=dict(LARGE_LLAMA), large_batch=8, large_seq=2048)
 #: a dry run: models of a few thousand parameters, a handful of steps
 DRY_RUN_SIZES: Final = Sizes(
     gpt=GPTConfig(vocab_size=128, width=32, n_layer=2, n_head=2, seq_len=16), gpt_batch=2,
     llama={**LLAMA_CONFIG, "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32},
     llama_batch=2, llama_seq=16, parity_steps=3, warmup=1, sync_steps=2, timing_steps=3,
+    large={**LARGE_LLAMA, "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32},
+    large_batch=2, large_seq=16,
 )
 #: seconds a world may take before its ranks are killed (a hang must not outlive the check)
-DEFAULT_TIME_LIMIT_S: Final = {"cuda": 270.0, "cpu": 240.0}
+DEFAULT_TIME_LIMIT_S: Final = {"cuda": 480.0, "cpu": 240.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON report (default runs/gpu_check.json, runs/gpu_check_dry_run.json with --dry-run)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds per world before its ranks are killed (default 270 on GPU, 240 dry run)")
+                   help="seconds per world before its ranks are killed (default 480 on GPU, 240 dry run)")
     return p
 
 

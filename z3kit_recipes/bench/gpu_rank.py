@@ -58,6 +58,10 @@ class Sizes:
     sync_steps: int
     #: timed steps per runtime
     timing_steps: int
+    #: the large-model section's Llama (``bench.gpu_large``): ``LlamaConfig`` arguments, micro-batch, sequence
+    large: Mapping[str, Any] = attrs.field(hash=False)
+    large_batch: int
+    large_seq: int
 
 
 @attrs.frozen
@@ -249,11 +253,12 @@ def sections() -> tuple[Section, ...]:
     """Every section, in the order they run: timing last, because DeepSpeed (timed at world 2)
     changes process-wide state when it starts (its communication backend, its logger), and the
     bench gives it processes of its own for that reason."""
+    from z3kit_recipes.bench.gpu_large import LARGE
     from z3kit_recipes.bench.gpu_parity import PARITY
     from z3kit_recipes.bench.gpu_probes import HOST_SYNCS, MEMORY
     from z3kit_recipes.bench.gpu_timing import TIMING
 
-    return PARITY, HOST_SYNCS, MEMORY, TIMING
+    return PARITY, HOST_SYNCS, MEMORY, LARGE, TIMING
 
 
 def rank_main(rank: int, spec: CheckSpec) -> None:

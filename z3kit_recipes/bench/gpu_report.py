@@ -11,7 +11,8 @@ SECTION_TITLES = {
     "parity": "1. parity against plain single-device training",
     "host_syncs": "2. host syncs per training step (engine forward + backward + step)",
     "memory": "3. memory by phase: allocator peak against the engine's ledger",
-    "timing": "4. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), and with optimizer offload, fp32",
+    "large": "4. a ~1B Llama, bf16, world 1: tokens/s, MFU, and whether the host stays ahead of the device",
+    "timing": "5. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), and with optimizer offload, fp32",
 }
 
 
@@ -120,7 +121,31 @@ def _timing(section: JSON) -> list[str]:
     return lines
 
 
-RENDER = {"parity": _parity, "host_syncs": _host_syncs, "memory": _memory, "timing": _timing}
+_AHEAD = {True: "host ahead", False: "HOST BEHIND (the device waited)", None: "no device timing on CPU"}
+
+
+def _large(section: JSON) -> list[str]:
+    if "params" not in section:
+        return [f"   {section['note']}"]
+    lines = [f"   {section['note']}"] if section["note"] else []
+    peak = section["peak_bf16_flops"]
+    lines.append(f"   {section['params']:,} parameters, micro-batch {section['batch']} x sequence {section['seq']} "
+                 f"({section['tokens_per_step']:,} tokens a step), bf16; MFU against "
+                 f"{'-' if peak is None else f'{peak:.3g}'} FLOP/s ({section['peak_source']}); median of "
+                 f"{section['timed_steps']} steps after {section['warmup_steps']}")
+    for name, c in section["cases"].items():
+        if c["status"] != "ok":
+            lines.append(f"   {name:<6} ERROR {c['error']}")
+            continue
+        mfu = "-" if c["mfu"] is None else f"{c['mfu']:.1%}"
+        lines.append(f"   {name:<6} {c['tokens_per_s']:,.0f} tokens/s ({c.get('tokens_per_s_x_plain', 0):.3f}x plain), "
+                     f"MFU {mfu}; host {c['host_s'] * 1e3:.1f} ms to issue a step, device {c['device_s'] * 1e3:.1f} ms: "
+                     f"{_AHEAD[c['host_ahead']]}; "
+                     f"peak allocated {_size(c['peak_allocated_bytes'])}")
+    return lines
+
+
+RENDER = {"parity": _parity, "host_syncs": _host_syncs, "memory": _memory, "large": _large, "timing": _timing}
 
 
 def render(report: JSON) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -79,9 +80,20 @@ class Runner(Protocol):
         ...
 
 
+#: an optimizer from its parameters (any runtime's: a list, or z3kit's master shards)
+OptimizerFn = Callable[[Any], torch.optim.Optimizer]
+
+
 def adam(params: Any) -> torch.optim.Optimizer:
     """The optimizer of every run: ``torch.optim.Adam`` at the bench's learning rate."""
     return torch.optim.Adam(params, lr=LR)
+
+
+def foreach_adam(params: Any) -> torch.optim.Optimizer:
+    """``adam`` with the multi-tensor (``foreach``) implementation, torch's default on CUDA: the
+    overhead bench steps every runtime with it, so that the optimizer costs the same per tensor
+    on CPU as where users train."""
+    return torch.optim.Adam(params, lr=LR, foreach=True)
 
 
 def fused_adam(params: Any) -> torch.optim.Optimizer:

@@ -21,8 +21,12 @@ from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON, LR
 from z3kit_recipes.models import Workload
 
 
-def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None) -> JSON:
-    """The DeepSpeed config used: the shared ZeRO-3 knobs, fp32, torch.optim.Adam."""
+def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None, *, foreach: bool | None = None) -> JSON:
+    """The DeepSpeed config used: the shared ZeRO-3 knobs, fp32, torch.optim.Adam (``foreach=True``:
+    its multi-tensor implementation, which DeepSpeed passes on with ``torch_adam``)."""
+    params: JSON = {"lr": LR, "torch_adam": True, "adam_w_mode": False}
+    if foreach is not None:
+        params["foreach"] = foreach
     return {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
@@ -33,7 +37,7 @@ def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None) -> J
         "optimizer": {
             "type": "Adam",
             # torch_adam: torch.optim.Adam itself; adam_w_mode off: Adam, not AdamW.
-            "params": {"lr": LR, "torch_adam": True, "adam_w_mode": False},
+            "params": params,
         },
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -46,7 +50,9 @@ class DeepSpeedRunner:
         "parameters AVAILABLE or INFLIGHT (persistent small parameters included)"
     )
 
-    def __init__(self, wl: Workload, world: int, zero: JSON, *, compiled: CompileSpec | None = None) -> None:
+    def __init__(
+        self, wl: Workload, world: int, zero: JSON, *, compiled: CompileSpec | None = None, foreach: bool | None = None,
+    ) -> None:
         ds: Any = importlib.import_module("deepspeed")
         ds.utils.logger.setLevel(logging.WARNING)
         ds.init_distributed(dist_backend="gloo", verbose=False)
@@ -60,7 +66,7 @@ class DeepSpeedRunner:
         if compiled is not None:  # the model's own blocks, compiled in place before DeepSpeed wraps it
             compiled.apply(wl, model)
         engine, _, _, _ = ds.initialize(
-            model=model, model_parameters=params, config=deepspeed_config(wl.batch_size, world, zero)
+            model=model, model_parameters=params, config=deepspeed_config(wl.batch_size, world, zero, foreach=foreach)
         )
         self.engine = engine
         self._probe = _DeepSpeedLiveProbe(params)

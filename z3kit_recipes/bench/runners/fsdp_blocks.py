@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from z3kit_recipes import fsdp_blocks
-from z3kit_recipes.bench.runners import CompileSpec, adam, engine_step
+from z3kit_recipes.bench.runners import CompileSpec, OptimizerFn, adam, engine_step
 from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 
@@ -15,11 +15,16 @@ from z3kit_recipes.models import Workload
 class FsdpBlocksRunner:
     peak_method = "not measured (fsdp_blocks keeps no high-water of gathered elements)"
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup, *, compiled: CompileSpec | None = None) -> None:
+    def __init__(
+        self, wl: Workload, group: dist.ProcessGroup, *, compiled: CompileSpec | None = None,
+        optimizer: OptimizerFn = adam,
+    ) -> None:
         self.wl = wl
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
-        self.engine = fsdp_blocks.initialize(model, adam, blocks=wl.blocks(model), process_group=group)
+        self.engine = fsdp_blocks.initialize(model, optimizer, blocks=wl.blocks(model), process_group=group)
+        #: units the engine hooks: one per block and the root's
+        self.units = len(self.engine.units)
         if compiled is not None:  # after sharding, as FSDP2 is compiled after fully_shard
             compiled.apply(wl, model)
 

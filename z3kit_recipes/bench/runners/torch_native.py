@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from z3kit_recipes.bench.runners import CompileSpec
+from z3kit_recipes.bench.runners import CompileSpec, OptimizerFn, adam
 from z3kit_recipes.bench.spec import JSON, LR
 from z3kit_recipes.models import Workload
 
@@ -21,12 +21,12 @@ _backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
 
 
 class _TorchOptimizerStep:
-    """Zero-grad, forward, loss, backward and ``torch.optim.Adam`` step of a wrapped model."""
+    """Zero-grad, forward, loss, backward and optimizer step (``torch.optim.Adam``) of a wrapped model."""
 
-    def __init__(self, wl: Workload, model: nn.Module) -> None:
+    def __init__(self, wl: Workload, model: nn.Module, optimizer: OptimizerFn = adam) -> None:
         self.wl = wl
         self.model = model
-        self.opt = torch.optim.Adam(model.parameters(), lr=LR)
+        self.opt = optimizer(list(model.parameters()))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
@@ -45,17 +45,40 @@ class _TorchOptimizerStep:
         return None
 
 
+class PlainRunner(_TorchOptimizerStep):
+    """The model alone on one process, no runtime around it: the overhead bench's baseline."""
+
+    peak_method = "the whole model: every parameter is resident"
+
+    def __init__(self, wl: Workload, *, optimizer: OptimizerFn = adam) -> None:
+        model = wl.build_model()
+        self.total_params = sum(p.numel() for p in model.parameters())
+        super().__init__(wl, model, optimizer)
+
+    def start_probe(self) -> None:
+        pass
+
+    def stop_probe(self) -> None:
+        pass
+
+    def peak_live_params(self) -> int | None:
+        return self.total_params
+
+
 class DDPRunner(_TorchOptimizerStep):
     peak_method = "full replica: every parameter is resident on every rank"
 
-    def __init__(self, wl: Workload, group: dist.ProcessGroup, *, compiled: CompileSpec | None = None) -> None:
+    def __init__(
+        self, wl: Workload, group: dist.ProcessGroup, *, compiled: CompileSpec | None = None,
+        optimizer: OptimizerFn = adam,
+    ) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
         if compiled is not None:
             compiled.apply(wl, model)
-        super().__init__(wl, DistributedDataParallel(model, process_group=group))
+        super().__init__(wl, DistributedDataParallel(model, process_group=group), optimizer)
 
     def start_probe(self) -> None:
         pass
@@ -68,11 +91,13 @@ class DDPRunner(_TorchOptimizerStep):
 
 
 class FSDP2Runner(_TorchOptimizerStep):
-    """``fully_shard`` on each of the workload's blocks, then on the root.
+    """``fully_shard`` on each of the workload's blocks (or on each module ``shard_units(model)``
+    lists, children before their parents), then on the root; ``units``: how many ``fully_shard`` calls.
 
     With ``reshard_after_forward=False`` a module's parameters stay gathered
     from its forward to its backward (ZeRO-2-like memory for parameters,
-    no second all-gather in backward). ``mesh``: FSDP2's device mesh (a 2-D
+    no second all-gather in backward). ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: none,
+    fp32 throughout). ``mesh``: FSDP2's device mesh (a 2-D
     ("replicate", "shard") one is HSDP); by default a 1-D mesh over ``group``.
     """
 
@@ -83,7 +108,8 @@ class FSDP2Runner(_TorchOptimizerStep):
 
     def __init__(
         self, wl: Workload, group: dist.ProcessGroup, *, reshard_after_forward: bool, compiled: CompileSpec | None = None,
-        mesh: DeviceMesh | None = None,
+        mesh: DeviceMesh | None = None, optimizer: OptimizerFn = adam,
+        shard_units: Callable[[nn.Module], list[nn.Module]] | None = None, mp_policy: Any | None = None,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -92,12 +118,15 @@ class FSDP2Runner(_TorchOptimizerStep):
         self.total_params = sum(p.numel() for p in model.parameters())
         if mesh is None:  # where the model lives: CPU under gloo, the rank's GPU under nccl (bench.gpu)
             mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
-        for block in wl.blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        units = shard_units(model) if shard_units is not None else wl.blocks(model)
+        mp: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
+        self.units = len(units) + 1
         if compiled is not None:  # after fully_shard, as FSDP2's documentation does it
             compiled.apply(wl, model)
-        super().__init__(wl, model)
+        super().__init__(wl, model, optimizer)
         self._probe = _FSDP2LiveProbe(model)
 
     def start_probe(self) -> None:

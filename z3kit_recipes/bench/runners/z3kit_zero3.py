@@ -15,6 +15,7 @@ from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
 from z3kit_recipes.zero3.training.trainable import OptimizerFactory
+from z3kit_recipes.zero3.training.unit_rule import UnitRule
 
 
 def shared_config(zero: JSON) -> Zero3Config:
@@ -40,14 +41,18 @@ class Z3kitRunner:
 
     def __init__(
         self, wl: Workload, group: dist.ProcessGroup, config: Zero3Config, *, compiled: CompileSpec | None = None,
-        optimizer: OptimizerFactory = adam,
+        optimizer: OptimizerFactory = adam, leaf_blocks: bool = False, fetch_units: UnitRule = "auto",
     ) -> None:
         self.wl = wl
         model = wl.build_model()
         self.total_params = sum(p.numel() for p in model.parameters())
         if compiled is not None:  # before initialize: each compiled block becomes one fetch unit
             compiled.apply(wl, model)
-        self.engine = initialize(model, optimizer=optimizer, config=config, process_group=group)
+        # leaf_blocks: the workload's blocks as leaf modules (one unit each, one reduction per block)
+        leaves = wl.blocks(model) if leaf_blocks else ()
+        self.engine = initialize(
+            model, optimizer=optimizer, config=config, process_group=group, leaf_modules=leaves, fetch_units=fetch_units
+        )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return engine_step(self.engine, self.wl, x, y)
