@@ -30,7 +30,7 @@ from z3kit_recipes.bench.overhead import (
 from z3kit_recipes.bench.runners import unavailable_reason
 from z3kit_recipes.bench.spec import JSON, RuntimeName
 from z3kit_recipes.launch import free_port
-from z3kit_recipes.models import LLAMA_CONFIG, GPTConfig, GPTWorkload, LlamaWorkload, TinyWorkload
+from z3kit_recipes.models import LLAMA_CONFIG, GPTConfig, GPTWorkload, LlamaWorkload, TinyWorkload, Workload
 
 #: the Llama of the overhead bench: the bench Llama's layout (8 decoder layers, grouped-query
 #: attention), narrowed to the bench GPT's size so that a CPU step is host work more than arithmetic
@@ -61,16 +61,22 @@ class OverheadSettings:
 
 def run_overhead(settings: OverheadSettings, group: dist.ProcessGroup) -> JSON:
     """Every model of ``settings`` on ``group`` (one rank): the cases, and the slope per block."""
-    kw = dict(steps=settings.steps, repeats=settings.repeats, warmup=settings.warmup)
-    tiny = [measure_model(TinyWorkload(depth=n, width=TINY_WIDTH, batch_size=TINY_BATCH), settings.runtimes,
-                          group, **kw) for n in settings.depths]
+    def measured(label: str, wl: Workload) -> JSON:
+        t0 = time.perf_counter()
+        case = measure_model(wl, settings.runtimes, group, steps=settings.steps, repeats=settings.repeats,
+                             warmup=settings.warmup)
+        print(f"  {label}: measured in {time.perf_counter() - t0:.0f} s", flush=True)
+        return case
+
+    tiny = [measured(f"tiny, {n} blocks", TinyWorkload(depth=n, width=TINY_WIDTH, batch_size=TINY_BATCH))
+            for n in settings.depths]
     for n, case in zip(settings.depths, tiny):
         case["depth"] = n
     out: JSON = {"tiny": tiny, "per_block": unit_slopes(tiny, settings.depths)}
     if settings.gpt is not None:
-        out["gpt"] = measure_model(GPTWorkload(config=settings.gpt), settings.runtimes, group, **kw)
+        out["gpt"] = measured("bench GPT", GPTWorkload(config=settings.gpt))
     if settings.llama is not None:
-        out["llama"] = measure_model(LlamaWorkload(config=settings.llama), settings.runtimes, group, **kw)
+        out["llama"] = measured("HF Llama", LlamaWorkload(config=settings.llama))
     return out
 
 
