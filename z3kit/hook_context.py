@@ -6,7 +6,9 @@ graph, and what runs when the backward pass ends.
 end-of-backward hook; ``tests/test_hook_context.py`` pins what it does):
 a runtime queues it from inside a backward hook, and the callback runs
 once that backward's graph task is done, every gradient accumulated.
-Under reentrant checkpointing, the outermost backward's.
+Queued inside a reentrant checkpoint's inner backward, it runs when that
+inner backward ends, before the outer one's gradients are in: queue it
+from the first hook of the outermost backward.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def in_backward() -> bool:
 def at_backward_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass under way ends (call it from inside one)."""
     if not in_backward():
-        raise RuntimeError("at_backward_end is called from inside a backward pass (a backward hook)")
+        raise RuntimeError("at_backward_end must be called from inside a backward pass (a backward hook)")
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 

@@ -28,15 +28,12 @@ class HostWork:
     torch_functions: int = 0
 
     def snapshot(self) -> HostWork:
-        return HostWork(self.hooks, self.functions, self.torch_functions)
+        return attrs.evolve(self)
 
     def since(self, before: HostWork) -> dict[str, int]:
         """Each count's growth since ``before`` (a ``snapshot``)."""
-        return {
-            "hooks": self.hooks - before.hooks,
-            "functions": self.functions - before.functions,
-            "torch_functions": self.torch_functions - before.torch_functions,
-        }
+        then = attrs.asdict(before)
+        return {name: count - then[name] for name, count in attrs.asdict(self).items()}
 
 
 __all__ = ["HostWork"]

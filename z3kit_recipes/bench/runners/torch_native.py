@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from z3kit_recipes.bench.runners import CompileSpec, OptimizerFn, adam
-from z3kit_recipes.bench.spec import JSON, LR
+from z3kit_recipes.bench.spec import JSON
 from z3kit_recipes.models import Workload
 
 if TYPE_CHECKING:
@@ -45,15 +45,10 @@ class _TorchOptimizerStep:
         return None
 
 
-class PlainRunner(_TorchOptimizerStep):
-    """The model alone on one process, no runtime around it: the overhead bench's baseline."""
+class _FullReplica(_TorchOptimizerStep):
+    """A runtime that keeps every parameter resident: nothing to probe, the whole model live."""
 
-    peak_method = "the whole model: every parameter is resident"
-
-    def __init__(self, wl: Workload, *, optimizer: OptimizerFn = adam) -> None:
-        model = wl.build_model()
-        self.total_params = sum(p.numel() for p in model.parameters())
-        super().__init__(wl, model, optimizer)
+    total_params: int
 
     def start_probe(self) -> None:
         pass
@@ -65,7 +60,18 @@ class PlainRunner(_TorchOptimizerStep):
         return self.total_params
 
 
-class DDPRunner(_TorchOptimizerStep):
+class PlainRunner(_FullReplica):
+    """The model alone on one process, no runtime around it: the overhead bench's baseline."""
+
+    peak_method = "the whole model: every parameter is resident"
+
+    def __init__(self, wl: Workload, *, optimizer: OptimizerFn = adam) -> None:
+        model = wl.build_model()
+        self.total_params = sum(p.numel() for p in model.parameters())
+        super().__init__(wl, model, optimizer)
+
+
+class DDPRunner(_FullReplica):
     peak_method = "full replica: every parameter is resident on every rank"
 
     def __init__(
@@ -79,15 +85,6 @@ class DDPRunner(_TorchOptimizerStep):
         if compiled is not None:
             compiled.apply(wl, model)
         super().__init__(wl, DistributedDataParallel(model, process_group=group), optimizer)
-
-    def start_probe(self) -> None:
-        pass
-
-    def stop_probe(self) -> None:
-        pass
-
-    def peak_live_params(self) -> int | None:
-        return self.total_params
 
 
 class FSDP2Runner(_TorchOptimizerStep):

@@ -46,14 +46,13 @@ from z3kit_recipes.zero3.step.state import StepState
 from z3kit_recipes.zero3.training.backward import BackwardPass
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.grads import GradReducer
-from z3kit_recipes.zero3.training.one_rank_reducer import OneRankReducer
 from z3kit_recipes.zero3.training.hook_plan import fetch_groups
-from z3kit_recipes.zero3.training.unit_rule import UnitChoice
 from z3kit_recipes.zero3.training.layout import ShardLayout
 from z3kit_recipes.zero3.training.loss_scale import LossScaler
 from z3kit_recipes.zero3.training.materialize import InitFn, has_meta_tensors, materialize
 from z3kit_recipes.zero3.training.model_watch import ModelWatch, place_buffers
 from z3kit_recipes.zero3.training.offload import OffloadedStep
+from z3kit_recipes.zero3.training.one_rank_reducer import OneRankReducer
 from z3kit_recipes.zero3.training.optim_step import OptimizerStep
 from z3kit_recipes.zero3.training.param_use import ParamUseMode
 from z3kit_recipes.zero3.training.params import ParamCoordinator
@@ -61,6 +60,7 @@ from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.secondary import SecondaryPartitions
 from z3kit_recipes.zero3.training.timeline import Timeline
 from z3kit_recipes.zero3.training.trainable import MasterShards, OptimizerFactory, TrainableWatch
+from z3kit_recipes.zero3.training.unit_rule import UnitChoice
 
 StreamPairFactory = Callable[[torch.device], StreamPairLike]
 

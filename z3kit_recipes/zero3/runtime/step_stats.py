@@ -55,7 +55,7 @@ class StepStats:
         self._new_memory_window = True
         self.last = StepFigures(
             _diff(log.snapshot(), log.snapshot()), 0.0, 0.0, 0.0, 0, {link: 0 for link in log.link_snapshot()},
-            {**work.since(work), "collectives": 0},
+            {**HostWork().since(HostWork()), "collectives": 0},
         )
 
     def training_forward(self) -> None:

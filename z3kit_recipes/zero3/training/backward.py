@@ -108,13 +108,17 @@ class BackwardPass:
 
     def post_backward(self, module: torch.nn.Module) -> None:
         """The module's backward is done: the gradients only it fetches, handed over; its parameters released."""
+        self._hand_over_held(self.owners.by_module.get(module, ()))
+        self.coordinator.release(module)
+
+    def _hand_over_held(self, pids: Sequence[int]) -> None:
+        """Hand over what ``.grad`` of each of ``pids`` holds, if anything."""
         shards = self.shards
-        for pid in self.owners.by_module.get(module, ()):
+        for pid in pids:
             param = shards[pid].param
             grad = param.grad
             if grad is not None:
                 self._hand_over(pid, param, grad)
-        self.coordinator.release(module)
 
     def _on_grad_ready(self, param: torch.Tensor, pid: int) -> None:
         self.hooks.work.hooks += 1
@@ -154,15 +158,6 @@ class BackwardPass:
         self.step.start_backward()
         at_backward_end(self.end)
 
-    def _hand_over_rest(self) -> None:
-        """End of backward: what is still in a module-handed ``.grad`` (see the Note in
-        ``zero3.training.grad_owners``)."""
-        shards = self.shards
-        for pid in self.owners.module_handed:
-            param = shards[pid].param
-            if param.grad is not None:
-                self._hand_over(pid, param, param.grad)
-
     def host_waits(self) -> int:
         """Reads of the ranks' comparisons that had to wait for the device (``Zero3Stats.host_waits``)."""
         return self.agreement.host_waits + (0 if self.checks is None else self.checks.host_waits)
@@ -189,7 +184,7 @@ class BackwardPass:
         """End of backward (or a backward that reached no hook of ours)."""
         try:
             self.hooks.finish_backward()
-            self._hand_over_rest()
+            self._hand_over_held(self.owners.module_handed)  # a contribution from outside any module (grad_owners)
             self.coordinator.finish_schedule()
             self.coordinator.finish_rounds()
             if self.reducer is not None and self.checks is not None:

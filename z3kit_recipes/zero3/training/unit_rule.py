@@ -43,10 +43,9 @@ from typing import Literal
 import attrs
 from torch import nn
 
-from z3kit_recipes.zero3.training.hook_plan import modules_named
+from z3kit_recipes.zero3.training.hook_plan import LeafSpec, modules_named
 
-UnitSpec = type[nn.Module] | nn.Module
-UnitRule = Literal["auto"] | Iterable[UnitSpec]
+UnitRule = Literal["auto"] | Iterable[LeafSpec]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 #: DeepSpeed's cap on a granularity unit's size (``Z3_MAX_LEAF_SIZE``)

@@ -63,7 +63,7 @@ def full_state_dict(
     buffers = persistent_buffers(engine.module)
     copies = {id(b): b.detach().to("cpu", copy=True) for b in buffers.values()}
     found.update({name: copies[id(b)] for name, b in buffers.items()})
-    return {name: found[name] for name in state_dict_names(engine.module, buffers) if name in found}
+    return {name: found[name] for name in state_dict_names(engine.module, buffers) if only is None or name in found}
 
 
 def adopt_full_values(engine: EngineCore, pids: list[int], src: int) -> None:
