@@ -101,7 +101,7 @@ def summarize(
     settings["leaf modules"] = [names.get(id(m), type(m).__qualname__) for m in leaves]
     settings["fetch units"] = [names.get(id(m), type(m).__qualname__) for m in units]
     settings["trace type"] = _type_name(policies.trace)
-    settings["release policy type"] = _type_name(policies.release)
+    settings["planner type"] = _type_name(policies.planner)
     settings["prefetch limiter type"] = _type_name(policies.limiter)
     settings["init_seed"] = init_seed
     settings["param_init_fn"] = None if param_init_fn is None else getattr(
@@ -111,7 +111,7 @@ def summarize(
     for name, p in model.named_parameters():
         tensors[f"parameter {name!r}"] = {
             "shape": list(p.shape), "dtype": str(p.dtype), "requires_grad": p.requires_grad,
-            "persistent": policies.release.is_persistent(p.numel()), "on meta": p.is_meta,
+            "persistent": policies.planner.is_persistent(p.numel()), "on meta": p.is_meta,
         }
     for name, b in model.named_buffers():  # every buffer: rank 0's are broadcast before training forwards
         tensors[f"buffer {name!r}"] = {"shape": list(b.shape), "dtype": str(b.dtype), "on meta": b.is_meta}

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from z3kit.collectives import ProcessGroup
 from z3kit.device import BACKEND_FOR_DEVICE_TYPE, device_type_for_backend
 from z3kit.prefetch import PrefetchLimiter
-from z3kit.release import ReleasePolicy, StockReleasePolicy
+from z3kit.release import ReleasePolicy
+from z3kit.schedule_plan import SchedulePlanner
 from z3kit.shard import shard_numel_for
 from z3kit.streams import stream_pair_for
 from z3kit.trace import TraceRecorder
@@ -39,7 +40,8 @@ from z3kit_recipes.zero3.ranks.topology import (
     shard_size_for,
     topology_for,
 )
-from z3kit_recipes.zero3.runtime.build import MetaInit, Policies, StreamPairFactory, assemble
+from z3kit_recipes.zero3.planner_choice import choose_planner
+from z3kit_recipes.zero3.runtime.build import MetaInit, StreamPairFactory, assemble
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
 from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
@@ -76,6 +78,7 @@ def initialize(
     device_mesh: DeviceMesh | None = None,
     auto: TrainingValues | None = None,
     trace: TraceRecorder | None = None,
+    planner: SchedulePlanner | None = None,
     release_policy: ReleasePolicy | None = None,
     prefetch_limiter: PrefetchLimiter | None = None,
     param_init_fn: InitFn | None = None,
@@ -102,9 +105,12 @@ def initialize(
     path, read by ``Zero3Config.from_deepspeed``: its ``"auto"`` size knobs
     are filled from ``model.config.hidden_size`` where the model has one,
     every other ``"auto"`` from ``auto`` (a ``TrainingValues``), as Hugging
-    Face's Trainer fills them; its ``scheduler`` becomes ``engine.lr_scheduler``. ``trace``,
-    ``release_policy`` and ``prefetch_limiter`` replace the stock policies
-    (the config's knobs for them are then not used). Every argument is
+    Face's Trainer fills them; its ``scheduler`` becomes ``engine.lr_scheduler``.
+    ``planner`` (a ``z3kit.schedule_plan.SchedulePlanner``) replaces the
+    stock planner, which plans prefetches and releases from the config's
+    knobs; ``release_policy`` and ``prefetch_limiter`` replace its parts
+    (``zero3.planner_choice``: knobs then not used are named in a warning).
+    ``trace`` replaces the trace recorder. Every argument is
     checked before the model is touched: a failed call changes nothing.
     Every rank must pass the same model (names, shapes, dtypes,
     ``requires_grad``) and settings; where they differ, every rank raises
@@ -173,29 +179,15 @@ def initialize(
         units = _choose_units(model, fetch_units, leaves, config, plan.knobs()["max_live_parameters"])
         plan = _plan_budget(model, config, leaves, units, shard_size)
     knobs = plan.knobs() if plan is not None else {name: getattr(config, name) for name in BUDGET_DERIVED}
-    if release_policy is None:
-        release_policy = StockReleasePolicy(
-            max_reuse_distance=knobs["max_reuse_distance"],
-            param_persistence_threshold=config.param_persistence_threshold,
-            max_live_parameters=knobs["max_live_parameters"],
-        )
-    elif not isinstance(release_policy, ReleasePolicy):
-        raise TypeError(f"release_policy must implement z3kit.release.ReleasePolicy, got {type(release_policy).__name__}")
-    if prefetch_limiter is None:
-        padded_total = sum(shard_numel_for(p.numel(), shard_size) * shard_size for p in model.parameters())
-        prefetch_limiter = PrefetchLimiter(
-            max_live_parameters=knobs["max_live_parameters"],
-            prefetch_bucket_size=min(knobs["prefetch_bucket_size"], transient_cap(padded_total, shard_size)),
-            max_inflight=config.max_inflight_gathers,
-        )
-    elif not isinstance(prefetch_limiter, PrefetchLimiter):
-        raise TypeError(f"prefetch_limiter must be a PrefetchLimiter (or a subclass), got {type(prefetch_limiter).__name__}")
+    padded_total = sum(shard_numel_for(p.numel(), shard_size) * shard_size for p in model.parameters())
+    policies = choose_planner(
+        config, knobs, min(knobs["prefetch_bucket_size"], transient_cap(padded_total, shard_size)), trace,
+        planner=planner, release_policy=release_policy, prefetch_limiter=prefetch_limiter)
     meta = has_meta_tensors(model)
     if meta:
         check_materializable(model, param_init_fn)
         if init_seed is not None:
             check_int("init_seed", init_seed)
-    policies = Policies(trace, release_policy, prefetch_limiter)
     # the last check, and the first collective: every rank got the same model and settings
     summary = summarize(
         model, config, world=world, shard_size=shard_size, hpz_size=hpz_size, training=optimizer is not None,

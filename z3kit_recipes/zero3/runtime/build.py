@@ -27,7 +27,7 @@ from z3kit.hooks import ModuleHooks
 from z3kit.links import NodeMap
 from z3kit.memory import MemoryKind, MemoryLedger, tensor_bytes
 from z3kit.prefetch import PrefetchLimiter
-from z3kit.release import ReleasePolicy
+from z3kit.schedule_plan import SchedulePlanner
 from z3kit.shard import ParamStatus
 from z3kit.streams import StreamPairLike
 from z3kit.trace import TraceRecorder
@@ -78,7 +78,8 @@ class Policies:
     """The trace and the policies the parameter path runs on (stock or the user's)."""
 
     trace: TraceRecorder
-    release: ReleasePolicy
+    planner: SchedulePlanner
+    #: counts the live elements the runtime gathers (``stats()``' peak and limit)
     limiter: PrefetchLimiter
 
 
@@ -193,14 +194,14 @@ def assemble(
     leaf_roots = set(leaf_modules)
     hooked = fetch_groups(module, params, leaf_roots, units.roots)
     gatherer = Gatherer(
-        layout.shards, group=topology.shard_group, streams=stream_pairs(device), trace=policies.trace,
+        layout.shards, group=topology.shard_group, streams=stream_pairs(device),
         limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
     )
     if topology.secondary_group is not None:  # hpZ: backward gathers within the node
         gatherer.secondary = SecondaryPartitions(layout.shards, topology.secondary_group, state, memory)
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
-        gatherer, hooked, trace=policies.trace, policy=policies.release, record=record, ranks=agreement,
+        gatherer, hooked, trace=policies.trace, planner=policies.planner, record=record, ranks=agreement,
         timeline=timeline, check_every_fetch=config.checks_every_fetch, rounds=rounds, step=state,
     )
     meeting = EvalMeeting(

@@ -214,3 +214,4 @@ class BackwardPass:
         self.step.micro_step += 1
         if self.reducer is not None and self.reducer.window_open:
             self.stand_ins.show()
+        self.coordinator.plan_step()  # last: a refused plan (PlanError) leaves the step closed

@@ -5,16 +5,8 @@ parameters: it issues coalesced gathers on the gather stream pair, completes
 them (compute waits on the communication's event, the parameters are
 installed), frees gathered copies, and keeps the accounting (the
 ``PrefetchLimiter``'s live elements, the ``MemoryLedger``, the seconds
-blocked). It also picks what to prefetch from the frozen trace.
-
-Note: the prefetch frontier.
-    Prefetch walks the frozen trace from the current fetch and gathers, in
-    one collective, the parameters of the fetches ahead that are not
-    gathered yet, within the limiter's budget. ``frontier`` remembers how far
-    it looked, so the next prefetch starts there; everything before it is
-    gathered or in flight. Freeing a parameter whose next use lies before
-    the frontier moves the frontier back to that use, since prefetch has to
-    look there again.
+blocked). What to prefetch and when is the plan's
+(``zero3.training.step_plans``).
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ from z3kit.memory import MemoryKind, MemoryLedger
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.shard import GatherHandle, ParamShard, ParamStatus, gather_shards
 from z3kit.streams import StreamPairLike
-from z3kit.trace import TraceRecorder, TraceFetch
 from z3kit_recipes.zero3.ranks.agreement import StepRecord, Waiter
 from z3kit_recipes.zero3.training.secondary import SecondaryPartitions
 from z3kit_recipes.zero3.training.timeline import profiled
@@ -44,7 +35,6 @@ class Gatherer:
         *,
         group: ProcessGroup,
         streams: StreamPairLike,
-        trace: TraceRecorder,
         limiter: PrefetchLimiter,
         log: CollectiveLog,
         memory: MemoryLedger,
@@ -54,7 +44,7 @@ class Gatherer:
     ) -> None:
         self.shards = list(shards)
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
-        self.trace, self.limiter, self.record, self.waiter = trace, limiter, record, waiter
+        self.limiter, self.record, self.waiter = limiter, record, waiter
         #: prefetches are left in flight (else waited on at once)
         self.overlap = overlap
         self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
@@ -65,8 +55,6 @@ class Gatherer:
         self._handles: dict[int, GatherHandle] = {}
         #: gathers left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[GatherHandle] = []
-        self._fetches: tuple[TraceFetch, ...] | None = None  # the frozen trace, cached while it matches
-        self._frontier = 0
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
         #: called with the parameters of each gather before it is issued (offload: their update must be written)
@@ -201,8 +189,6 @@ class Gatherer:
     def free(self, pids: Iterable[int]) -> int:
         """Release those of ``pids`` that are gathered; returns their elements."""
         numel = nbytes = 0
-        cursor = self.trace.cursor
-        look_back = self._fetches is not None and self._frontier > cursor
         for pid in pids:
             shard = self.shards[pid]
             if shard.status is not ParamStatus.AVAILABLE:
@@ -210,52 +196,19 @@ class Gatherer:
             shard.release()
             numel += self.numels[pid]
             nbytes += self._gathered_bytes[pid]
-            if look_back:  # see the Note on the prefetch frontier
-                nxt = self.trace.next_use(pid, cursor - 1)
-                if nxt is not None and nxt < self._frontier:
-                    self._frontier = nxt
         if numel or nbytes:
             self.limiter.on_release(numel)
             self.memory.free(MemoryKind.GATHERED_PARAMS, nbytes)
         return numel
 
     # -- prefetch -------------------------------------------------------------------------
-    def forget_trace(self) -> None:
-        """The trace changed or a step ended: the next prefetch looks afresh."""
-        self._fetches = None
-        self._frontier = 0
-
-    def prefetch(self) -> int:
-        """Gather, in one collective, what the trace needs next, within
-        budget (see the Note on the prefetch frontier); returns its elements."""
-        if self._fetches is None:
-            self._fetches = self.trace.fetches
-            self._frontier = 0
-        fetches = self._fetches
-        i = max(self.trace.cursor, self._frontier)
-        if i >= len(fetches):  # everything ahead was looked at: the steady state once all is gathered
+    def prefetch(self, pids: Sequence[int]) -> int:
+        """Gather, in one collective, those of ``pids`` not gathered or in flight
+        (the plan's prefetch after a fetch); returns their elements."""
+        shards = self.shards
+        picked = [p for p in pids if shards[p].status is ParamStatus.NOT_AVAILABLE]
+        if not picked:
             return 0
-        budget = self.limiter.budget()
-        if budget <= 0:
-            return 0
-        picked: list[int] = []
-        seen: set[int] = set()
-        total = 0
-        full = False
-        while i < len(fetches) and not full:
-            for p in fetches[i].param_ids:
-                if p in seen or self.shards[p].status is not ParamStatus.NOT_AVAILABLE:
-                    continue
-                if total + self.numels[p] > budget:
-                    full = True
-                    break
-                picked.append(p)
-                seen.add(p)
-                total += self.numels[p]
-            else:
-                i += 1
-        self._frontier = i
-        if picked:
-            with profiled("z3kit.prefetch", len(picked), "params"):
-                self.gather(picked, wait=not self.overlap)
-        return total
+        with profiled("z3kit.prefetch", len(picked), "params"):
+            self.gather(picked, wait=not self.overlap)
+        return sum(self.numels[p] for p in picked)

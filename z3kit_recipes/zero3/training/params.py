@@ -23,15 +23,17 @@ from torch import nn
 
 from z3kit.hook_context import in_backward
 from z3kit.nested import iter_tensors
-from z3kit.release import ReleasePolicy
+from z3kit.recorded_step import Phase
+from z3kit.schedule_plan import SchedulePlanner
 from z3kit.shard import ParamStatus
-from z3kit.trace import TraceRecorder
+from z3kit.trace import TraceRecorder, TraceState
 from z3kit_recipes.zero3.ranks.agreement import RankAgreement, StepRecord
 from z3kit_recipes.zero3.step.state import StepState
 from z3kit_recipes.zero3.training.fetch_units import FetchUnits
 from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.holds import Holds
 from z3kit_recipes.zero3.training.rounds import FetchRounds
+from z3kit_recipes.zero3.training.step_plans import StepPlans
 from z3kit_recipes.zero3.training.timeline import Timeline, profiled
 from z3kit_recipes.zero3.training.traced_step import TracedStep
 
@@ -45,7 +47,7 @@ class ParamCoordinator:
         module_params: dict[nn.Module, list[int]],
         *,
         trace: TraceRecorder,
-        policy: ReleasePolicy,
+        planner: SchedulePlanner,
         record: StepRecord,
         ranks: RankAgreement,
         timeline: Timeline,
@@ -56,7 +58,7 @@ class ParamCoordinator:
         self.gatherer = gatherer
         self.shards = gatherer.shards
         self.index, self.numels = gatherer.index, gatherer.numels
-        self.trace, self.policy, self.limiter = trace, policy, gatherer.limiter
+        self.trace, self.limiter = trace, gatherer.limiter
         self.timeline = timeline
         #: where the step is (is this fetch traced?)
         self.step = step
@@ -64,8 +66,10 @@ class ParamCoordinator:
         self.rounds = rounds
         #: where the ranks agree on fetches (also those of eval forwards, ``agree_untraced``)
         self.ranks = ranks
-        self.persistent = [policy.is_persistent(n) for n in self.numels]
+        self.persistent = [planner.is_persistent(n) for n in self.numels]
         self.units = FetchUnits(module_params, self.numels)
+        #: the step as the planner sees it, and the plan the hot path executes
+        self.plans = StepPlans(planner, self.units, trace, self.persistent, overlap=gatherer.overlap)
         #: the trace, forward log and backward schedule of the step, and the ranks' agreement on them
         self.traced = TracedStep(self.units, trace, ranks, record, step.position,
                                  agreeing=rounds is None, check_every_fetch=check_every_fetch)
@@ -87,8 +91,8 @@ class ParamCoordinator:
         compiled blocks become fetch units); the trace records afresh, a
         step in progress from its next fetch on."""
         self.units.regroup(module_params)
-        self.gatherer.forget_trace()
         self.traced.restart()
+        self.plans.restart()
 
     def _note(self, kind: str, module: nn.Module | None, numel: int) -> None:
         if self.timeline.recording:
@@ -99,12 +103,19 @@ class ParamCoordinator:
     def begin_step(self) -> None:
         """A training forward starts a traced step."""
         self.traced.begin()
-        self.gatherer.forget_trace()
+        self.plans.begin()
 
     def end_step(self) -> None:
-        """The step's backward ended: free what it gathered, close the trace's step."""
+        """The step's backward ended: free what it gathered, close the trace's step
+        (a recording that completed the trace is planned by ``plan_step``)."""
         self.release_all()
+        was_recording = self.trace.state is TraceState.RECORD
         self.traced.end()
+        self.plans.end(was_recording=was_recording)
+
+    def plan_step(self) -> None:
+        """Plan a newly completed trace now (``PlanError``: the planner's plan is refused)."""
+        self.plans.ensure_plan()
 
     def abort(self, *, ranks_broken: bool) -> None:
         """A forward or backward raised: forget the step and its trace, free what
@@ -115,6 +126,7 @@ class ParamCoordinator:
         self.ranks.forget()
         self.release_all()
         self.traced.abort()
+        self.plans.end(was_recording=False)
 
     # -- the module lifecycle --------------------------------------------------------
     def fetch(self, module: nn.Module) -> None:
@@ -131,7 +143,10 @@ class ParamCoordinator:
             self.traced.backward_fetch(module)
         elif self._gathers(self.module_params[module]):
             self.ranks.agree_untraced((self.units.name(module), self.units.numel(module)))
-        self._fetch_entry(module, traced=forward)
+        if forward:
+            self._fetch_entry(module, Phase.FORWARD)
+        else:
+            self._fetch_off_trace(module, in_step=backward)
 
     def _gathers(self, pids: list[int]) -> bool:
         """Fetching ``pids`` issues a gather (one is not gathered, nor in flight)."""
@@ -158,33 +173,42 @@ class ParamCoordinator:
         entries = self.traced.scheduled_up_to(module)
         if entries is None:  # passed over as a ghost already (still held), or not scheduled at all
             self.traced.backward_fetch(module)
-            self._fetch_entry(module, traced=False)
+            self._fetch_off_trace(module, in_step=True)
             return
         for entry in entries:  # a ghost stays held until its own post-backward, or the end of backward
             self.traced.backward_fetch(entry)
-            self._fetch_entry(entry, traced=True)
+            self._fetch_entry(entry, Phase.BACKWARD)
 
     def finish_schedule(self) -> None:
         """End of backward: the schedule's remaining entries, fetched as ghosts
         on every rank (released with everything else right after)."""
         for entry in self.traced.unscheduled():
             self.traced.backward_fetch(entry)
-            self._fetch_entry(entry, traced=True)
+            self._fetch_entry(entry, Phase.BACKWARD)
 
-    def _fetch_entry(self, module: nn.Module, *, traced: bool) -> None:
+    def _fetch_entry(self, module: nn.Module, phase: Phase) -> None:
+        """A fetch that is an entry of the trace: gathered, held, and the plan's prefetch after it."""
+        matches = self.traced.on_fetch(module)
+        self._gather_and_hold(module)
+        ahead = self.plans.fetched(module, self.trace.cursor - 1, phase)
+        if matches and ahead and self.rounds is None:
+            prefetched = self.gatherer.prefetch(ahead)
+            if prefetched:
+                self._note("prefetch", None, prefetched)
+
+    def _fetch_off_trace(self, module: nn.Module, *, in_step: bool) -> None:
+        """A fetch outside the trace (an eval forward, a recomputation in backward)."""
+        self._gather_and_hold(module)
+        if in_step:
+            self.plans.fetched_off_trace(module)
+
+    def _gather_and_hold(self, module: nn.Module) -> None:
         pids = self.module_params[module]
-        matches = traced and self.traced.on_fetch(module)
         live_before = self.limiter.live_numel
         with profiled("z3kit.fetch", self.units.name(module)):
             self._ensure_gathered(pids)
         self._note("fetch", module, self.limiter.live_numel - live_before)
         self.holds.hold(module, pids)
-        if matches and self.rounds is None:
-            prefetched = self.gatherer.prefetch()
-            if prefetched:
-                self._note("prefetch", None, prefetched)
-        else:
-            self.gatherer.forget_trace()
 
     def _ensure_gathered(self, pids: list[int]) -> None:
         if self.rounds is None:
@@ -199,27 +223,24 @@ class ParamCoordinator:
             self.rounds.finish()
 
     def release(self, module: nn.Module, keep: Collection[int] = ()) -> None:
-        """Post-forward / post-backward: let go of the module's parameters;
-        the policy picks which to free (``keep``: never these, e.g. returned ones)."""
+        """Post-forward / post-backward: let go of the module's parameters and
+        free what the plan releases here, or, off the plan, the module's own
+        (``keep``: never these, e.g. returned ones; never one that is
+        persistent, or that a module in flight or a pin holds)."""
         pids = self.module_params[module]
         self.holds.let_go(module, pids)
+        planned = self.plans.at_exit(module, self.traced.fetch_index(module), keep) if self.step.tracing else None
         persistent, shards, held = self.persistent, self.shards, self.holds.held
-        candidates = [
-            (p, self.numels[p])
-            for p in pids
+        chosen = [
+            p
+            for p in (pids if planned is None else planned)
             if not persistent[p]
             and shards[p].status is ParamStatus.AVAILABLE
             and not held(p)
             and p not in keep
         ]
-        if not candidates:
+        if not chosen:
             return
-        if self.step.tracing:
-            chosen = self.policy.to_release(
-                self.traced.fetch_index(module), candidates, self.trace, self.limiter.live_numel
-            )
-        else:  # outside a traced step (eval, no_grad) nothing is coming back soon
-            chosen = [p for p, _ in candidates]
         with profiled("z3kit.release", self.units.name(module)):
             freed = self.gatherer.free(chosen)
         self._note("release", module, freed)
@@ -251,7 +272,6 @@ class ParamCoordinator:
         self.gatherer.wait_inflight()
         self.holds.drop_modules()
         self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and not self.holds.pinned(p))
-        self.gatherer.forget_trace()
 
     def shards_changed(self, pids: Sequence[int], *, written_later: frozenset[int] = frozenset()) -> None:
         """The shards of ``pids`` changed, between forwards (``EngineCore.shards_changed``
@@ -270,7 +290,6 @@ class ParamCoordinator:
         again = [p for p in stale if (self.persistent[p] and p not in written_later) or self.holds.pinned(p)]
         if again:
             self.gatherer.gather(again, wait=not self.gatherer.overlap or any(self.holds.pinned(p) for p in again))
-        self.gatherer.forget_trace()
 
     # -- parameters used outside their module ----------------------------------------------
     def on_param_use(self, pid: int, user: nn.Module | None) -> None:

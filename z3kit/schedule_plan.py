@@ -1,0 +1,163 @@
+"""SchedulePlan: what a step prefetches and releases, planned once and checked.
+
+A ``SchedulePlanner`` sees a whole recorded step (``z3kit.recorded_step``)
+and returns a plan: for each numbered fetch, the parameters to prefetch
+right after it (one gather), and for each exit, the parameters to release
+there. The runtime executes the plan on every later step that follows the
+same trace, with no policy call per module; before a trace exists, and off
+it, it falls back to the simplest schedule: no prefetch, and a unit's own
+parameters released at its exit.
+
+``check_plan`` refuses, before the plan is used, one that names a bad id,
+releases a persistent parameter, one that the exiting unit returned, or
+one that a unit in flight needs, or whose live elements exceed its
+``live_limit``; the message names the planner, the unit and the id. A
+prefetch of a parameter already gathered, or a release of one that is not,
+does nothing.
+
+Pure bookkeeping over integer ids: no tensors, no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from z3kit.recorded_step import EventKind, RecordedStep
+from z3kit.validate import is_int
+
+Ids = tuple[int, ...]
+
+
+@attrs.frozen
+class SchedulePlan:
+    """``prefetch[i]``: ids gathered after fetch ``i``; ``release[k]``: ids
+    released at exit ``k``; ``live_limit``: the most elements the plan may
+    keep gathered (None: no limit of its own). ``planner`` names who made it."""
+
+    prefetch: tuple[Ids, ...]
+    release: tuple[Ids, ...]
+    live_limit: int | None = None
+    planner: str = ""
+
+    @classmethod
+    def of(cls, prefetch: Sequence[Sequence[int]], release: Sequence[Sequence[int]], *,
+           live_limit: int | None = None, planner: str = "") -> SchedulePlan:
+        """A plan from lists (each made a tuple)."""
+        return cls(tuple(tuple(ids) for ids in prefetch), tuple(tuple(ids) for ids in release), live_limit, planner)
+
+    def describe(self, step: RecordedStep) -> str:
+        """The plan as text, one line per fetch and exit, to print or diff:
+        which unit holds what, when, and the live elements after each line."""
+        live = set(step.gathered_at_start) | set(step.inflight_at_start)
+        lines = []
+        for event in step.events:
+            if event.kind is EventKind.FETCH:
+                f = step.fetches[event.index]
+                live |= set(f.param_ids)
+                what = f"fetch {event.index:>3} {f.phase.value:<8} {f.unit}"
+                if event.index < len(self.prefetch) and self.prefetch[event.index]:
+                    live |= set(self.prefetch[event.index])
+                    what += f"  prefetch {_ids(self.prefetch[event.index])}"
+            elif event.kind is EventKind.UNNUMBERED:
+                unit, _, pids = step.unnumbered[event.index]
+                live |= set(pids)
+                what = f"fetch   - recompute {unit}"
+            else:
+                e = step.exits[event.index]
+                released = self.release[event.index] if event.index < len(self.release) else ()
+                live -= set(released)
+                what = f"exit  {event.index:>3} {e.unit}" + (f"  release {_ids(released)}" if released else "")
+            lines.append(f"{what}  | live {sum(step.numels[p] for p in live):,}")
+        return "\n".join(lines)
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return "#" + ",#".join(str(p) for p in ids)
+
+
+@runtime_checkable
+class SchedulePlanner(Protocol):
+    """Plans a step's prefetches and releases (see the module docstring)."""
+
+    def is_persistent(self, numel: int) -> bool:
+        """True for parameters that stay gathered for the whole run (asked once per parameter, at initialize)."""
+        ...
+
+    def plan(self, step: RecordedStep) -> SchedulePlan:
+        """The plan for every step that follows ``step``'s trace."""
+        ...
+
+
+class PlanError(ValueError):
+    """A planner's plan was refused (``check_plan``)."""
+
+
+@attrs.frozen
+class PlanSummary:
+    """What a checked plan does: its peak of live elements, and its prefetch gathers."""
+
+    peak_live_numel: int
+    prefetches: int
+
+
+def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
+    """Refuse a plan that could not run as planned (see the module docstring);
+    otherwise say what it does."""
+    who = f"planner {planner}"
+    if not isinstance(plan, SchedulePlan):
+        raise PlanError(f"{who} returned {type(plan).__name__}, not a SchedulePlan")
+    if len(plan.prefetch) != len(step.fetches) or len(plan.release) != len(step.exits):
+        raise PlanError(f"{who}: a plan needs one prefetch entry per fetch ({len(step.fetches)}) and one release "
+                        f"entry per exit ({len(step.exits)}), got {len(plan.prefetch)} and {len(plan.release)}")
+    n = len(step.numels)
+
+    def valid(pid: object, where: str) -> int:
+        if not is_int(pid) or not 0 <= pid < n:
+            raise PlanError(f"{who} names parameter id {pid!r} at {where}, which is no parameter of the model "
+                            f"(ids are 0 to {n - 1})")
+        if pid in step.persistent:
+            raise PlanError(f"{who} names persistent parameter #{pid} at {where}: persistent parameters stay "
+                            "gathered for the whole run and are never planned")
+        return pid
+
+    in_flight = step.in_flight_after()
+    live = set(step.gathered_at_start) | set(step.inflight_at_start)
+    peak = live_numel = sum(step.numels[p] for p in live)
+    prefetches = 0
+    for event in step.events:
+        if event.kind is EventKind.EXIT:
+            e = step.exits[event.index]
+            where = f"the exit of {e.unit!r} (exit {event.index})"
+            for pid in plan.release[event.index]:
+                valid(pid, where)
+                if pid in e.keep:
+                    raise PlanError(f"{who} releases parameter #{pid} at {where}, but the unit's forward returned it")
+                holders = [unit for unit, pids in in_flight[event.index].items() if pid in pids]
+                if holders:
+                    raise PlanError(f"{who} releases parameter #{pid} at {where}, while {holders[0]!r}, in flight, "
+                                    "still needs it")
+                if pid in live:
+                    live.discard(pid)
+                    live_numel -= step.numels[pid]
+            continue
+        if event.kind is EventKind.FETCH:
+            f = step.fetches[event.index]
+            needed = [*f.param_ids]
+            ahead = [valid(pid, f"fetch {event.index} ({f.unit!r})") for pid in plan.prefetch[event.index]]
+            prefetches += bool(set(ahead) - live - set(needed))
+            needed += ahead
+        else:
+            needed = list(step.unnumbered[event.index][2])
+        for pid in needed:
+            if pid not in live:
+                live.add(pid)
+                live_numel += step.numels[pid]
+        peak = max(peak, live_numel)
+        if plan.live_limit is not None and live_numel > plan.live_limit:
+            at = step.fetches[event.index].unit if event.kind is EventKind.FETCH else step.unnumbered[event.index][0]
+            raise PlanError(f"{who} keeps {live_numel:,} elements gathered at the fetch of {at!r}, over its "
+                            f"live limit of {plan.live_limit:,}")
+    return PlanSummary(peak, prefetches)
