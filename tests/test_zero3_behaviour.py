@@ -29,9 +29,10 @@ from tests.zero3_models import (
     rel_norm_error,
     train_steps,
 )
-from z3kit.hook_context import in_backward
 from z3kit.prefetch import PrefetchLimiter
+from z3kit.recorded_step import Phase, RecordedStep
 from z3kit.release import StockReleasePolicy
+from z3kit.schedule_plan import SchedulePlan
 from z3kit.trace import TraceRecorder
 from z3kit_recipes.zero3 import Zero3Config
 
@@ -248,9 +249,9 @@ class NeverPrefetch(PrefetchLimiter):
 
 
 class KeepUntilBackward:
-    """A ReleasePolicy: nothing is persistent; everything gathered in forward
-    stays gathered until backward, where each module's parameters go at its
-    exit."""
+    """A SchedulePlanner: nothing is persistent; everything gathered in
+    forward stays gathered until backward, where each unit's parameters go at
+    its exit; nothing is prefetched."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -258,9 +259,15 @@ class KeepUntilBackward:
     def is_persistent(self, numel: int) -> bool:
         return False
 
-    def to_release(self, fetch: int, params: Sequence[tuple[int, int]], trace: TraceRecorder, live_numel: int) -> list[int]:
+    def plan(self, step: RecordedStep) -> SchedulePlan:
         self.calls += 1
-        return [pid for pid, _ in params] if in_backward() else []
+        in_flight = step.in_flight_after()
+        release = []
+        for k, e in enumerate(step.exits):
+            backward = e.fetch >= 0 and step.fetches[e.fetch].phase is Phase.BACKWARD
+            busy = {p for ids in in_flight[k].values() for p in ids}
+            release.append([p for p in e.param_ids if backward and p not in busy and p not in e.keep])
+        return SchedulePlan.of([()] * len(step.fetches), release, planner="KeepUntilBackward")
 
 
 class CountingTrace(TraceRecorder):
@@ -279,7 +286,7 @@ def run_custom_policies(ctx: Any, which: str, config: dict[str, Any]) -> dict[st
     if which == "never_prefetch":
         kwargs["prefetch_limiter"] = NeverPrefetch()
     elif which == "keep_until_backward":
-        kwargs["release_policy"] = KeepUntilBackward()
+        kwargs["planner"] = KeepUntilBackward()
     engine, ref, model = build_pair(ctx, case, **kwargs)
     wl = WORKLOADS["stack"]
     res = new_result(engine, ref)
@@ -300,7 +307,7 @@ def run_custom_policies(ctx: Any, which: str, config: dict[str, Any]) -> dict[st
         "gathers": gathers,
         "trace_fetches": kwargs["trace"].fetch_calls,
         "budget_asked": getattr(kwargs.get("prefetch_limiter"), "asked", None),
-        "policy_calls": getattr(kwargs.get("release_policy"), "calls", None),
+        "policy_calls": getattr(kwargs.get("planner"), "calls", None),
         "model_numel": engine.stats().model_numel,
     }
 
@@ -327,10 +334,10 @@ def test_custom_release_policy_keep_until_backward(pools: Any) -> None:
     runs = {w: pools.run(2, run_custom_policies, w, TIGHT_CONFIG) for w in ("stock", "keep_until_backward")}
     _check_policy_runs(runs)
     stock, keep = runs["stock"][0], runs["keep_until_backward"][0]
-    # the whole model is gathered between forward and backward, where the
-    # stock policy keeps to max_live_parameters
-    assert keep["policy_calls"] > 0
-    assert keep["after_forward"] == [keep["model_numel"]] * 10
+    # once planned (the first step records the trace), the whole model is gathered
+    # between forward and backward, where the stock planner keeps to max_live_parameters
+    assert keep["policy_calls"] == 1
+    assert keep["after_forward"][1:] == [keep["model_numel"]] * 9
     assert max(stock["after_forward"]) < stock["model_numel"]
 
 

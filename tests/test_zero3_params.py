@@ -18,6 +18,7 @@ from torch import nn
 from tests.dist_pool import PoolSet, WorkerContext
 from z3kit.collectives import CollectiveKind, CollectiveLog
 from z3kit.memory import MemoryKind, MemoryLedger
+from z3kit.policy_planner import PolicyPlanner
 from z3kit.prefetch import PrefetchLimiter
 from z3kit.release import StockReleasePolicy
 from z3kit.shard import ParamShard, ParamStatus
@@ -59,12 +60,13 @@ def _build(ctx: WorkerContext, *, overlap: bool = True, budget: int = 10_000, re
     trace, limiter = TraceRecorder(), PrefetchLimiter(prefetch_bucket_size=budget)
     pair = RecordingStreamPair(seed=ctx.rank, delay_s=0.001)
     gatherer = Gatherer(
-        shards, group=ctx.group, streams=pair, trace=trace, limiter=limiter, log=log, memory=memory,
+        shards, group=ctx.group, streams=pair, limiter=limiter, log=log, memory=memory,
         record=record, waiter=lambda done, wait: wait(), overlap=overlap,
     )
     agreement = RecordingAgreement()
     coordinator = ParamCoordinator(
-        gatherer, fetch_groups(model, params, []), trace=trace, policy=StockReleasePolicy(param_persistence_threshold=0, max_reuse_distance=reuse),
+        gatherer, fetch_groups(model, params, []), trace=trace,
+        planner=PolicyPlanner(StockReleasePolicy(param_persistence_threshold=0, max_reuse_distance=reuse), limiter, overlap),
         record=record, ranks=agreement, timeline=Timeline(), step=StepState(),
     )
     return dict(model=model, reference=reference, shards=shards, log=log, memory=memory, pair=pair,

@@ -24,8 +24,6 @@ Pure bookkeeping over integer ids: no tensors, no process group.
 
 from __future__ import annotations
 
-import copy
-
 import attrs
 
 from z3kit.prefetch import PrefetchLimiter
@@ -52,7 +50,14 @@ class PolicyPlanner:
         return self.release_policy.is_persistent(numel)
 
     def plan(self, step: RecordedStep) -> SchedulePlan:
-        return _Replay(self, step).run()
+        # The replay runs the limiter's counters through the step; the runtime counts live
+        # elements on the same object, so they are put back as they were afterwards.
+        limiter = self.limiter
+        saved = limiter.live_numel, limiter.inflight, limiter.high_water
+        try:
+            return _Replay(self, step).run()
+        finally:
+            limiter.live_numel, limiter.inflight, limiter.high_water = saved
 
 
 class _Replay:
@@ -60,7 +65,7 @@ class _Replay:
 
     def __init__(self, planner: PolicyPlanner, step: RecordedStep) -> None:
         self.policy, self.overlap, self.step = planner.release_policy, planner.overlap, step
-        self.limiter = copy.deepcopy(planner.limiter)  # its counters are the replay's; the planner's stay as they were
+        self.limiter = planner.limiter
         self.limiter.live_numel = sum(step.numels[p] for p in step.gathered_at_start | set(step.inflight_at_start))
         self.limiter.inflight = 1 if step.inflight_at_start else 0
         self.state = [_GONE] * len(step.numels)

@@ -92,7 +92,7 @@ class ParamCoordinator:
         step in progress from its next fetch on."""
         self.units.regroup(module_params)
         self.traced.restart()
-        self.plans.restart()
+        self.plans.units_changed()
 
     def _note(self, kind: str, module: nn.Module | None, numel: int) -> None:
         if self.timeline.recording:
@@ -300,6 +300,7 @@ class ParamCoordinator:
             self.traced.used_outside(user, pid, tracing=self.step.tracing)
             self.units.join(user, pid)
             self.holds.joined(user, pid)
+            self.plans.units_changed()
         if self.shards[pid].status is not ParamStatus.AVAILABLE:
             if not (self.step.tracing or in_backward()) and self._gathers([pid]):
                 self.ranks.agree_untraced((f"parameter #{pid} used in {self.units.name(user)}" if user is not None

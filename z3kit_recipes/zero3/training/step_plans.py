@@ -63,8 +63,10 @@ class StepPlans:
         self._clear()
         self.ensure_plan()
 
-    def restart(self) -> None:
-        """The trace records afresh in the middle of a step: this step's record is not whole."""
+    def units_changed(self) -> None:
+        """A unit's parameters changed (units regrouped, a parameter joined a
+        unit) in the middle of a step: this step's record is not whole, and
+        the plan made for the old units is void."""
         self._clear()
         self._partial = True
         self.plan = self.recorded = self.summary = None
