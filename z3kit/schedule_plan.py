@@ -91,6 +91,17 @@ class SchedulePlanner(Protocol):
         ...
 
 
+def own_releases(step: RecordedStep) -> list[Ids]:
+    """At each exit, the exiting unit's own parameters that may go: not
+    persistent, not returned by its forward, not needed by a unit still in
+    flight. The fallback's releases, and a start for a planner's."""
+    out: list[Ids] = []
+    for e, in_flight in zip(step.exits, step.in_flight_after()):
+        busy = {p for ids in in_flight.values() for p in ids}
+        out.append(tuple(p for p in e.param_ids if p not in step.persistent and p not in e.keep and p not in busy))
+    return out
+
+
 class PlanError(ValueError):
     """A planner's plan was refused (``check_plan``)."""
 

@@ -82,6 +82,11 @@ class Zero3Stats:
     #: Function applications ("functions"), ``__torch_function__`` calls ("torch_functions"), and
     #: "collectives" (calls, as in ``collectives``); counted, so that a test can pin them
     host_work: dict[str, int] = attrs.field(factory=dict)
+    #: the planner that schedules prefetches and releases (``zero3.training.step_plans``); its plan's
+    #: prefetch gathers per step and its peak of live elements, as planned ("" and 0: no plan yet)
+    planner: str = ""
+    plan_prefetches: int = 0
+    plan_peak_live_numel: int = 0
 
     @property
     def comm_wait_share(self) -> float:
@@ -188,4 +193,7 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         nodes=1 if parts.log.node_map is None else parts.log.node_map.nodes(),
         fetch_units=len(coordinator.module_params),
         host_work=last.host_work,
+        planner=coordinator.plans.planner_name,
+        plan_prefetches=0 if coordinator.plans.summary is None else coordinator.plans.summary.prefetches,
+        plan_peak_live_numel=0 if coordinator.plans.summary is None else coordinator.plans.summary.peak_live_numel,
     )

@@ -36,6 +36,8 @@ class StepPlans:
     def __init__(self, planner: SchedulePlanner, units: FetchUnits, trace: TraceRecorder,
                  persistent: Sequence[bool], *, overlap: bool) -> None:
         self.planner, self.units, self.trace, self.overlap = planner, units, trace, overlap
+        #: how messages and ``stats()`` name the planner
+        self.planner_name = repr(planner) if len(repr(planner)) <= 120 else type(planner).__name__
         self.persistent = frozenset(p for p, kept in enumerate(persistent) if kept)
         #: the step the plan was made from, the plan, and what the check found (None: not yet)
         self.recorded: RecordedStep | None = None
@@ -89,7 +91,7 @@ class StepPlans:
         if self.recorded is None or self.plan is not None or self.trace.state is not TraceState.COMPLETE:
             return
         plan = self.planner.plan(self.recorded)
-        self.summary = check_plan(plan, self.recorded, _name(self.planner))
+        self.summary = check_plan(plan, self.recorded, self.planner_name)
         self.plan = plan
         self._exit_units = tuple(e.unit_id for e in self.recorded.exits)
 
@@ -130,5 +132,3 @@ class StepPlans:
         return plan.release[k]
 
 
-def _name(planner: SchedulePlanner) -> str:
-    return repr(planner) if len(repr(planner)) < 120 else type(planner).__name__
