@@ -66,7 +66,8 @@ def _train(ctx: Any, workload: str, which: str) -> dict[str, Any]:
     engine, ref, _ = build_pair(ctx, case, planner=PLANNERS[which])
     res = train_steps(ctx, engine, ref, case, range(case.steps), new_result(engine, ref))
     stats = engine.stats()
-    return {"pair": finish(engine, ref, res), "gathers": stats.collectives["all_gather"]["calls"],
+    plan = engine.schedule_plan()
+    return {"pair": finish(engine, ref, res), "plan": plan, "gathers": stats.collectives["all_gather"]["calls"],
             "planner": stats.planner, "prefetches": stats.plan_prefetches, "peak": stats.peak_live_numel,
             "planned_peak": stats.plan_peak_live_numel}
 
@@ -85,6 +86,10 @@ def test_example_planners_train_at_ddp_parity_and_show_in_stats(pools: Any, work
     assert fallback["prefetches"] == keep["prefetches"] == 0 and ahead["prefetches"] > 0
     assert budget["planned_peak"] <= PLANNERS["budget"].limit and budget["peak"] <= PLANNERS["budget"].limit
     assert budget["prefetches"] > 0
+    # printed, one line per fetch and exit of the step, the root's and the 8 layers', forward and backward
+    lines = ahead["plan"].splitlines()
+    assert lines[0] == f"planner {PLANNERS['prefetch_2']!r}" and len(lines) == 1 + 2 * 2 * 9
+    assert "prefetch #" in ahead["plan"] and "prefetch #" not in keep["plan"]
 
 
 class ReleasesTheRoot:

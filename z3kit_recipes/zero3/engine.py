@@ -194,6 +194,12 @@ class Zero3Engine(EngineCore, nn.Module):
         For ``from_pretrained``, ``save_pretrained`` writes the Hugging Face layout."""
         return sixteen_bit.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def schedule_plan(self) -> str:
+        """The schedule the steps follow, one line per fetch and exit: what is
+        prefetched and released, and the elements gathered after each
+        (``z3kit.schedule_plan.SchedulePlan.describe``), to print or diff."""
+        return self.coordinator.plans.describe()
+
     def generate(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Any:
         """The model's Hugging Face ``generate`` on every rank in lockstep
         (collective: call it on every rank). ``rank=r``: rank r's arguments

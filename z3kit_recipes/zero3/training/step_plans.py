@@ -95,6 +95,13 @@ class StepPlans:
         self.plan = plan
         self._exit_units = tuple(e.unit_id for e in self.recorded.exits)
 
+    def describe(self) -> str:
+        """The plan as text (``SchedulePlan.describe``), or why there is none."""
+        if self.plan is None or self.recorded is None:
+            return (f"no plan yet ({self.planner_name}): the first training step records the trace it is made from, "
+                    "and a step that leaves the trace records it again")
+        return f"planner {self.planner_name}\n{self.plan.describe(self.recorded)}"
+
     # -- the hot path ----------------------------------------------------------------------------
     def fetched(self, module: nn.Module, index: int, phase: Phase) -> tuple[int, ...]:
         """Numbered fetch ``index`` of ``module`` matched the trace (or was
