@@ -37,7 +37,9 @@ class StepPlans:
                  persistent: Sequence[bool], *, overlap: bool) -> None:
         self.planner, self.units, self.trace, self.overlap = planner, units, trace, overlap
         #: how messages and ``stats()`` name the planner
-        self.planner_name = repr(planner) if len(repr(planner)) <= 120 else type(planner).__name__
+        self.planner_name = type(planner).__name__
+        if type(planner).__repr__ is not object.__repr__ and len(repr(planner)) <= 120:  # not one with an address
+            self.planner_name = repr(planner)
         self.persistent = frozenset(p for p, kept in enumerate(persistent) if kept)
         #: the step the plan was made from, the plan, and what the check found (None: not yet)
         self.recorded: RecordedStep | None = None
