@@ -52,13 +52,15 @@ def launch(spec_args: dict[str, Any]) -> JSON:
 
 
 def spawn_ranks(rank_main: Callable[[int, Any], None], spec: Any, *, nprocs: int, threads: int,
-                out_path: str) -> JSON:
+                out_path: str, for_rss: bool = True) -> JSON:
     """``rank_main(rank, spec)`` on ``nprocs`` fresh processes, ``threads`` intra-op threads
-    each and glibc returning freed memory; the JSON that rank 0 wrote to ``out_path``
-    (removed after), or an error result (``status``, ``note``). ``wall_s`` is added."""
+    each and, ``for_rss``, glibc returning freed memory (so that the resident set is
+    what is held; every large allocation is then a fresh mapping, whose page faults
+    a timing would count); the JSON that rank 0 wrote to ``out_path`` (removed
+    after), or an error result (``status``, ``note``). ``wall_s`` is added."""
     t0 = time.perf_counter()
     try:
-        with _omp_threads(threads), malloc_returns_freed_memory():
+        with _omp_threads(threads), malloc_returns_freed_memory() if for_rss else contextlib.nullcontext():
             _spawn(rank_main, args=(spec,), nprocs=nprocs, join=True)
         result: JSON = json.loads(Path(out_path).read_text())
     except Exception as exc:  # noqa: BLE001 - one runtime failing must not stop the rest
