@@ -19,6 +19,12 @@ Note: gathered storage is resized as well as swapped.
     backward. Writes go through ``full``, whose version counter is not the
     parameter's, so autograd's check of saved tensors is not tripped by a
     gather. FSDP2 frees its unsharded parameters the same way.
+
+Note: at world 1 the shard is the full parameter.
+    With one rank the padded shard holds every element, so ``full`` is the
+    shard itself (``aliased``): a gather runs no collective and copies
+    nothing, it only points ``param.data`` at the shard; a release frees
+    nothing. The parameter's values then live once, not twice.
 """
 
 from __future__ import annotations
@@ -96,12 +102,27 @@ class ParamShard:
     #: the padded full buffer ``param.data`` views while gathered; its storage
     #: holds no bytes while the parameter is released
     full: torch.Tensor = attrs.field(init=False)
+    #: one rank: ``full`` is the shard (see the Note at world 1)
+    aliased: bool = attrs.field(init=False)
     _empty: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        _free_storage(self.full)
+        self.aliased = self.world == 1
+        if self.aliased:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+            _free_storage(self.full)
         self._empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes a gather of this parameter holds beyond its shard (0 at world 1)."""
+        return 0 if self.aliased else self.padded_numel * self.shard.element_size()
+
+    def held_numel(self) -> int:
+        """Elements of gathered storage this parameter holds right now (0 at world 1)."""
+        return 0 if self.aliased else self.full.untyped_storage().nbytes() // self.full.element_size()
 
     @property
     def shard_numel(self) -> int:
@@ -149,6 +170,8 @@ class ParamShard:
 
     def materialize(self) -> torch.Tensor:
         """Give ``full`` its bytes back (contents undefined) and return it, for a gather to fill."""
+        if self.aliased:
+            return self.full
         storage = self.full.untyped_storage()
         nbytes = self.padded_numel * self.full.element_size()
         if storage.nbytes() != nbytes:
@@ -157,7 +180,7 @@ class ParamShard:
 
     def install(self) -> None:
         """``full`` holds the gathered values: ``param.data`` views it, AVAILABLE."""
-        if self.full.untyped_storage().nbytes() == 0:
+        if not self.aliased and self.full.untyped_storage().nbytes() == 0:
             raise ValueError("install before materialize: the full buffer has no storage to read")
         self.param.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
@@ -171,7 +194,8 @@ class ParamShard:
         if self.status is ParamStatus.INFLIGHT:
             raise ValueError("cannot release a parameter whose gather is in flight (status INFLIGHT); wait on it first")
         self.param.data = self._empty
-        _free_storage(self.full)
+        if not self.aliased:
+            _free_storage(self.full)
         self.status = ParamStatus.NOT_AVAILABLE
 
     def load_full(self, full: torch.Tensor) -> None:
@@ -223,7 +247,9 @@ class GatherHandle:
     def staging_numel(self) -> int:
         """Elements of the coalesced output buffer this gather holds until
         ``wait`` copies it out (0 for one parameter, gathered in place)."""
-        return 0 if len(self.shards) == 1 else sum(s.padded_numel for s in self.shards)
+        if len(self.shards) == 1 or self.shards[0].aliased:
+            return 0
+        return sum(s.padded_numel for s in self.shards)
 
     def wait(self, block: Blocker | None = None) -> None:
         if self.ticket.completed:
@@ -308,7 +334,12 @@ def gather_shards(
     total = sum(s.numel for s in shards)
     label = f"all_gather {len(shards)} param(s), {total} elements"
     finish: Callable[[], None]
-    if len(shards) == 1:
+    if first.aliased and sources is None:
+        # one rank: the shards are the full parameters; nothing to communicate or copy
+        with streams.communicate(reads=[], writes=[], label=label) as ticket:
+            pending = Pending(None)
+        finish = pending.wait
+    elif len(shards) == 1:
         # the rank-major output of one parameter is its padded full buffer
         full = first.materialize()
         with streams.communicate(reads=[inputs[0]], writes=[full], label=label) as ticket:

@@ -306,5 +306,5 @@ class EngineCore:
         """Elements of full parameter storage held right now, measured on the
         tensors (padding included), gathers in flight included (their
         buffers exist already)."""
-        installed = sum(s.full.untyped_storage().nbytes() // s.full.element_size() for s in self.shards)
+        installed = sum(s.held_numel() for s in self.shards)
         return installed + self.coordinator.gatherer.staging_numel()

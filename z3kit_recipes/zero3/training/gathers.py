@@ -50,8 +50,8 @@ class Gatherer:
         self.index = {id(s.param): pid for pid, s in enumerate(self.shards)}
         self.numels = [s.numel for s in self.shards]
         self._element_size = self.shards[0].shard.element_size()
-        #: bytes of each parameter's gathered storage (its padded full size)
-        self._gathered_bytes = [s.padded_numel * self._element_size for s in self.shards]
+        #: bytes of each parameter's gathered storage (its padded full size; none at world 1)
+        self._gathered_bytes = [s.gathered_bytes for s in self.shards]
         self._handles: dict[int, GatherHandle] = {}
         #: gathers left in flight when the ranks stopped running together (kept alive, never waited on)
         self._abandoned: list[GatherHandle] = []
