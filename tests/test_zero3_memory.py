@@ -105,7 +105,10 @@ def test_each_buffer_lives_when_it_should(pools: Any, world: int, dtype: str) ->
             assert peak["grad_buckets"] == 0
         else:
             assert 0 < peak["grad_buckets"] <= ((MAX_FLIGHTS + 1) * r["bucket_cap"] + r["largest_padded"]) * elsize
-        assert 0 < peak["gathered_params"]
+        if world == 1:  # the shards are the full parameters (z3kit.shard's Note at world 1): nothing gathered
+            assert peak["gathered_params"] == 0
+        else:
+            assert 0 < peak["gathered_params"]
         assert max(peak.values()) <= r["peak_total"] <= sum(peak.values())
         assert r["device_peak"] is None  # a CPU has no allocator peak
 

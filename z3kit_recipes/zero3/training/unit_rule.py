@@ -9,8 +9,9 @@ before (the per-module behaviour is the rule ``fetch_units=()``).
 Note: the default rule (``fetch_units="auto"``).
     The blocks of a stack are units: a module that is not a container
     (``ModuleList``, ``Sequential``, ``ModuleDict``) whose class appears at
-    least twice among the children of one module, and whose subtree holds
-    more than one module with parameters, and no such block of its own (a
+    least twice among the children of one module, whose subtree holds more
+    than one module with parameters (or one, beside modules without: a
+    ``Linear`` and its activation), and no such block of its own (a
     stack of stacks, T5's encoder and decoder, gets a unit per block, not
     per stack). An unmodified Hugging Face decoder gets one unit per
     decoder layer, and its embeddings, final norm and head fetch their own,
@@ -80,6 +81,13 @@ class _Tree:
             self._numel[m] = sum(p.numel() for p in m.parameters())
         return self._numel[m]
 
+    def worth_a_unit(self, m: nn.Module) -> bool:
+        """More than one module with parameters, or one inside a block that holds
+        other modules too (``Linear`` + ``Tanh``): hooked as one, the modules
+        between its parameter owners' calls run inside it."""
+        owners = self.owners(m)
+        return owners > 1 or (owners == 1 and next(m.children(), None) is not None)
+
     def owners(self, m: nn.Module) -> int:
         """Modules with parameters of their own in ``m``'s subtree, containers not counted."""
         if m not in self._owners:
@@ -113,11 +121,11 @@ def choose_units(
     while pending:
         m = pending.pop(0)
         if m in holds_leaf:
-            pending[:0] = [c for c in m.children() if tree.owners(c) > 1]
+            pending[:0] = [c for c in m.children() if tree.worth_a_unit(c)]
         elif tree.numel(m) > max_live_parameters:
             splits.append(f"{tree.names[m]} ({tree.numel(m):,} elements)")
-            pending[:0] = [c for c in m.children() if tree.owners(c) > 1]
-        elif tree.owners(m) > 1 and m is not model:
+            pending[:0] = [c for c in m.children() if tree.worth_a_unit(c)]
+        elif tree.worth_a_unit(m) and m is not model:
             roots.append(m)
     inside = {x for m in roots for x in m.modules() if x is not m}
     return UnitChoice(tuple(m for m in roots if m not in inside), tuple(splits))
@@ -131,7 +139,7 @@ def _repeated_blocks(model: nn.Module, tree: _Tree) -> list[nn.Module]:
         found: list[nn.Module] = []
         for c in children:
             inner = blocks(c)
-            if not inner and type(c) in repeated and not isinstance(c, _CONTAINERS) and tree.owners(c) > 1:
+            if not inner and type(c) in repeated and not isinstance(c, _CONTAINERS) and tree.worth_a_unit(c):
                 found.append(c)
             else:
                 found.extend(inner)
