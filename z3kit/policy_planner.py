@@ -97,7 +97,7 @@ class _Replay:
                 self._fetch(f.unit_id, f.param_ids)
                 prefetch.append(self._prefetch())
             elif event.kind is EventKind.UNNUMBERED:
-                _, unit_id, pids = self.step.unnumbered[event.index]
+                _, unit_id, pids = self.step.unit_of(event)
                 self._fetch(unit_id, pids)
                 self.frontier = 0  # the runtime looks afresh after a fetch off the trace
             else:

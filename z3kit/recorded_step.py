@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from z3kit.validate import check_int, check_ints
+from z3kit.validate import check_ints
 
 
 class Phase(enum.Enum):
@@ -134,10 +134,15 @@ class RecordedStep:
         i = bisect.bisect_right(uses, after)
         return uses[i] if i < len(uses) else None
 
-    def fetch_numel(self, index: int) -> int:
-        """Elements fetch ``index`` needs, persistent ones left out."""
-        f = self.fetches[check_int("fetch index", index, at_least=0)]
-        return sum(n for p, n in zip(f.param_ids, f.numels) if p not in self.persistent)
+    def unit_of(self, event: StepEvent) -> tuple[str, int, tuple[int, ...]]:
+        """The unit an event is of: its name, its id, and the parameter ids the fetch or exit names."""
+        if event.kind is EventKind.FETCH:
+            f = self.fetches[event.index]
+            return f.unit, f.unit_id, f.param_ids
+        if event.kind is EventKind.EXIT:
+            e = self.exits[event.index]
+            return e.unit, e.unit_id, e.param_ids
+        return self.unnumbered[event.index]
 
     def in_flight_after(self) -> list[dict[str, tuple[int, ...]]]:
         """For each exit, the units still in flight right after it (name ->
@@ -145,15 +150,12 @@ class RecordedStep:
         holders: dict[int, tuple[str, tuple[int, ...]]] = {}
         out: list[dict[str, tuple[int, ...]]] = []
         for event in self.events:
-            if event.kind is EventKind.FETCH:
-                f = self.fetches[event.index]
-                holders.setdefault(f.unit_id, (f.unit, f.param_ids))
-            elif event.kind is EventKind.UNNUMBERED:
-                unit, unit_id, pids = self.unnumbered[event.index]
-                holders.setdefault(unit_id, (unit, pids))
-            else:
-                holders.pop(self.exits[event.index].unit_id, None)
+            unit, unit_id, pids = self.unit_of(event)
+            if event.kind is EventKind.EXIT:
+                holders.pop(unit_id, None)
                 out.append(dict(holders.values()))
+            else:
+                holders.setdefault(unit_id, (unit, pids))
         return out
 
     # -- hand-built steps -------------------------------------------------------------------

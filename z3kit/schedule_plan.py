@@ -62,7 +62,7 @@ class SchedulePlan:
                     live |= set(self.prefetch[event.index])
                     what += f"  prefetch {_ids(self.prefetch[event.index])}"
             elif event.kind is EventKind.UNNUMBERED:
-                unit, _, pids = step.unnumbered[event.index]
+                unit, _, pids = step.unit_of(event)
                 live |= set(pids)
                 what = f"fetch   - recompute {unit}"
             else:
@@ -161,14 +161,14 @@ def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
             prefetches += bool(set(ahead) - live - set(needed))
             needed += ahead
         else:
-            needed = list(step.unnumbered[event.index][2])
+            needed = list(step.unit_of(event)[2])
         for pid in needed:
             if pid not in live:
                 live.add(pid)
                 live_numel += step.numels[pid]
         peak = max(peak, live_numel)
         if plan.live_limit is not None and live_numel > plan.live_limit:
-            at = step.fetches[event.index].unit if event.kind is EventKind.FETCH else step.unnumbered[event.index][0]
+            at = step.unit_of(event)[0]
             raise PlanError(f"{who} keeps {live_numel:,} elements gathered at the fetch of {at!r}, over its "
                             f"live limit of {plan.live_limit:,}")
     return PlanSummary(peak, prefetches)

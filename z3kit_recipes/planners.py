@@ -85,7 +85,7 @@ class MemoryBudget:
         return numel < self.persistence_threshold
 
     def plan(self, step: RecordedStep) -> SchedulePlan:
-        numels, fetches = step.numels, step.fetches
+        numels = step.numels
         release = own_releases(step)
         live = set(step.gathered_at_start) | set(step.inflight_at_start)
         live_numel = sum(numels[p] for p in live)
@@ -96,11 +96,7 @@ class MemoryBudget:
                 live -= gone
                 live_numel -= sum(numels[p] for p in gone)
                 continue
-            if event.kind is EventKind.UNNUMBERED:
-                needed: tuple[int, ...] = step.unnumbered[event.index][2]
-            else:
-                needed = fetches[event.index].param_ids
-            for p in set(needed) - live:
+            for p in set(step.unit_of(event)[2]) - live:
                 live.add(p)
                 live_numel += numels[p]
             if event.kind is EventKind.FETCH:
