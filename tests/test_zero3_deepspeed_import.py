@@ -108,7 +108,10 @@ def run_deepspeed(ctx: Any, root: str, bf16: bool = False) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from z3kit_recipes.bench.runners.deepspeed_zero3 import skip_cpu_shm_comm_build
+
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    skip_cpu_shm_comm_build()  # a compile that only inference uses
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(7)
     model = Net()

@@ -59,7 +59,10 @@ def _deepspeed_scaler(c: LossScaleConfig) -> Any:
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
+    from z3kit_recipes.bench.runners.deepspeed_zero3 import skip_cpu_shm_comm_build
+
     if not ds_comm.is_initialized():
+        skip_cpu_shm_comm_build()  # a compile that only inference uses
         ds_comm.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     return DynamicLossScaler(init_scale=c.initial_scale, scale_window=c.loss_scale_window, min_scale=c.min_loss_scale,
                              delayed_shift=c.hysteresis, consecutive_hysteresis=False)

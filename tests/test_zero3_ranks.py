@@ -5,6 +5,7 @@ that stay gathered whatever runs inside ``gathered_parameters``."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -363,9 +364,12 @@ def test_checking_every_fetch_names_both_sides_where_they_part(pools: Any, world
         assert r["step"] == 2 and r["seconds"] < 20
 
 
-def run_rank_dies_or_stalls(ctx: Any, victim: int, how: str) -> dict[str, Any]:
+def run_rank_dies_or_stalls(ctx: Any, victim: int, how: str, released: str = "") -> dict[str, Any]:
+    """``how="stalls"``: the victim stays away from the engine for up to 12 s, or until a
+    file at ``released`` exists, which the others create once they have raised."""
     import os
     import time
+    from pathlib import Path
 
     from z3kit_recipes import zero3
 
@@ -378,13 +382,20 @@ def run_rank_dies_or_stalls(ctx: Any, victim: int, how: str) -> dict[str, Any]:
             if step == 1 and ctx.rank == victim:
                 if how == "dies":
                     os._exit(3)
-                time.sleep(12.0)  # stuck outside the engine, past everyone's collective_timeout_s
+                # stuck outside the engine, past everyone's collective_timeout_s: until the others
+                # have given up on it (so they gave up without it), 12 s at most
+                stall_until = time.monotonic() + 12.0
+                while time.monotonic() < stall_until and not (released and Path(released).exists()):
+                    time.sleep(0.05)
             b = vec_batch(ctx.rank, step, 0, 0)
             engine.backward(F.mse_loss(engine(b["x"]), b["y"]))
             engine.step()
     except Exception as e:  # noqa: BLE001
         caught = f"{type(e).__name__}: {e}"
-    return {"caught": caught, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    if released and ctx.rank != victim:
+        Path(released).touch()
+    return {"caught": caught, "seconds": seconds}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -403,8 +414,8 @@ def test_a_rank_that_dies_is_named_by_the_others(world: int) -> None:
         assert r["seconds"] < 30
 
 
-def test_a_rank_stuck_elsewhere_is_named_after_collective_timeout_s(pools: Any) -> None:
-    stuck, waiting = pools.run(2, run_rank_dies_or_stalls, 1, "stalls")[::-1]
+def test_a_rank_stuck_elsewhere_is_named_after_collective_timeout_s(pools: Any, tmp_path: Path) -> None:
+    stuck, waiting = pools.run(2, run_rank_dies_or_stalls, 1, "stalls", str(tmp_path / "released"))[::-1]
     assert waiting["caught"].startswith("RankFailed: rank 0 waited 2 s in a collective (collective_timeout_s)"), waiting
     assert "rank(s) [1] posted nothing" in waiting["caught"]
     assert waiting["seconds"] < 10, waiting  # the timeout and the others' moment to answer, not the 12 s stall

@@ -21,6 +21,23 @@ from z3kit_recipes.bench.spec import DEFAULT_ZERO_CONFIG, JSON, LR
 from z3kit_recipes.models import Workload
 
 
+def skip_cpu_shm_comm_build() -> None:
+    """Keep ``deepspeed.init_distributed`` from compiling its CPU shared-memory all-reduce.
+
+    Note: on the CPU accelerator, DeepSpeed's ``TorchBackend`` JIT-compiles the
+    ``deepspeed_shm_comm`` extension at every ``init_distributed`` whose torch
+    extension cache has no build for this exact environment (a fresh venv, or
+    another venv sharing ``~/.cache/torch_extensions``): 35-50 s on 2 cores.
+    Only ``inference_all_reduce`` uses that op; training's collectives go
+    through the process group (gloo here) either way. Marking the op not
+    compatible, as DeepSpeed does itself off Linux, skips the build and changes
+    nothing that a training step runs. ``deepspeed.ops`` keeps the probed dict
+    in the module on purpose, so the edit holds for the process.
+    """
+    ops: Any = importlib.import_module("deepspeed.ops")
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def deepspeed_config(batch_size: int, world: int, zero: JSON | None = None, *, foreach: bool | None = None) -> JSON:
     """The DeepSpeed config used: the shared ZeRO-3 knobs, fp32, torch.optim.Adam (``foreach=True``:
     its multi-tensor implementation, which DeepSpeed passes on with ``torch_adam``)."""
@@ -55,6 +72,7 @@ class DeepSpeedRunner:
     ) -> None:
         ds: Any = importlib.import_module("deepspeed")
         ds.utils.logger.setLevel(logging.WARNING)
+        skip_cpu_shm_comm_build()
         ds.init_distributed(dist_backend="gloo", verbose=False)
         self.wl = wl
         model = wl.build_model()
