@@ -118,6 +118,7 @@ def full_parameters(runtime: PerModuleZero3) -> list[torch.Tensor]:
 
 def build(name: str) -> tuple[nn.Module, Callable[[int, int], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """A model, its batch for (rank, step) and its loss; ``name`` is "mlp" or "gpt"."""
+    model: nn.Module
     if name == "mlp":
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         return model, lambda r, s: torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * r + s)), \
@@ -146,13 +147,15 @@ def train_beside_ddp(name: str, group: dist.ProcessGroup, steps: int = 3, micro_
         runtime.step()
         ddp_optimizer.step()
         ddp_optimizer.zero_grad(set_to_none=True)
-    return max((a - b).abs().max().item() for a, b in zip(full_parameters(runtime), ddp.module.parameters()))
+    return max(float((a - b).abs().max()) for a, b in zip(full_parameters(runtime), ddp.module.parameters()))
 
 
 def worker(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    assert group is not None  # the default group is up
     for name in ("mlp", "gpt"):
-        gap = train_beside_ddp(name, dist.group.WORLD)
+        gap = train_beside_ddp(name, group)
         if rank == 0:
             print(f"{name}: PerModuleZero3 against DDP on {world} ranks, largest parameter difference {gap:.1e}")
     dist.destroy_process_group()
