@@ -147,7 +147,8 @@ def train_beside_ddp(name: str, group: dist.ProcessGroup, steps: int = 3, micro_
         runtime.step()
         ddp_optimizer.step()
         ddp_optimizer.zero_grad(set_to_none=True)
-    return max(float((a - b).abs().max()) for a, b in zip(full_parameters(runtime), ddp.module.parameters()))
+    full = full_parameters(runtime)
+    return max(float((a - b.detach()).abs().max()) for a, b in zip(full, ddp.module.parameters()))
 
 
 def worker(rank: int, world: int, port: int) -> None:
