@@ -33,3 +33,11 @@ def test_fsdp_blocks_one_device_example_runs() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "host syncs per step [0, 0, 0, 0, 0, 0, 0, 0]" in done.stdout
     assert "fsdp_blocks against plain training: PASS" in done.stdout
+
+
+def test_small_runtime_example_runs() -> None:
+    done = run_example("small_runtime.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("mlp", "gpt"):
+        [line] = [x for x in done.stdout.splitlines() if x.startswith(f"{name}: PerModuleZero3 against DDP on 2 ranks")]
+        assert float(line.rsplit(" ", 1)[1]) < 1e-6, line
