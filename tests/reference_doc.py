@@ -35,6 +35,10 @@ PRIMITIVES: tuple[tuple[str, str], ...] = (
     ("TraceRecorder", "z3kit.trace"),
     ("ReleasePolicy", "z3kit.release"),
     ("PrefetchLimiter", "z3kit.prefetch"),
+    ("RecordedStep", "z3kit.recorded_step"),
+    ("SchedulePlanner", "z3kit.schedule_plan"),
+    ("SchedulePlan", "z3kit.schedule_plan"),
+    ("check_plan", "z3kit.schedule_plan"),
 )
 
 HEADER = """# Reference: the primitives
