@@ -4,7 +4,8 @@
   builds the JSON's optimizer and trains; the older call forms still work.
 * ``model_parameters=``, an optimizer instance and unpacking the result as
   DeepSpeed's 4-tuple are each refused, naming what z3kit takes instead,
-  before anything changes.
+  before anything changes; initializing the now sharded model again is
+  refused, naming the parameter (``zero3.sharded_mark``).
 * ``save_16bit_model`` writes the model's ``state_dict`` in the compute
   dtype (bf16 here), tied weights under both names, that loads back into an
   unsharded copy with the engine's values; ``exclude_frozen_parameters``
@@ -64,6 +65,11 @@ def _worker(ctx: WorkerContext, save_dir: str) -> dict[str, Any]:
         engine_, optimizer, _, scheduler = engine  # DeepSpeed's 4-tuple
 
     out["tuple"] = _refusal(unpack)
+    try:  # the retry after the tuple's message, in the same process: the model is the engine's now
+        zero3.initialize(model, config=DS_JSON, process_group=group)
+        out["again"] = ""
+    except ValueError as exc:
+        out["again"] = str(exc)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(ctx.rank))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     out["stepped"] = engine.step()
@@ -88,6 +94,9 @@ def test_deepspeed_call_forms_and_save_16bit_model(pools: PoolSet) -> None:
             assert out["untouched"]
             assert out["optimizer"] == "AdamW"  # the JSON's, with no optimizer argument
             assert "engine = zero3.initialize(...)" in out["tuple"] and "engine.lr_scheduler" in out["tuple"]
+            assert "build the model again before calling initialize again" in out["tuple"]
+            assert out["again"].startswith("parameter 'transformer.wte.weight' of GPT2LMHeadModel was sharded by an "
+                                           "earlier zero3.initialize"), out["again"]
             assert out["stepped"] is True and out["written"] is True
         saved = torch.load(os.path.join(tmp, "model16.bin"), weights_only=True)
         reference = _gpt2()

@@ -27,7 +27,8 @@ import torch
 NOT_A_TUPLE: Final = (
     "zero3.initialize returns the engine alone, not DeepSpeed's (engine, optimizer, training_dataloader, "
     "lr_scheduler) tuple: write engine = zero3.initialize(...); the optimizer is engine.optimizer and the "
-    "scheduler (from the DeepSpeed config's scheduler section) is engine.lr_scheduler"
+    "scheduler (from the DeepSpeed config's scheduler section) is engine.lr_scheduler. The model is sharded by "
+    "the engine this call made; in the same process, build the model again before calling initialize again"
 )
 
 _FACTORY: Final = "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"

@@ -42,6 +42,7 @@ from z3kit_recipes.zero3.ranks.topology import (
 )
 from z3kit_recipes.zero3.planner_choice import choose_planner
 from z3kit_recipes.zero3.runtime.build import MetaInit, StreamPairFactory, assemble
+from z3kit_recipes.zero3.sharded_mark import check_not_sharded, mark_sharded
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
 from z3kit_recipes.zero3.training.reductions import MAX_FLIGHTS
@@ -140,6 +141,7 @@ def initialize(
     check_deepspeed_arguments(deepspeed_arguments)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_not_sharded(model)
     check_optimizer_argument(optimizer)
     if process_group is not None and device_mesh is not None:
         raise ValueError("pass process_group or device_mesh, not both: the mesh's groups are the engine's")
@@ -202,6 +204,7 @@ def initialize(
     # after the agreement: every rank builds the same mesh, over a group of the engine's own (see zero3.ranks.topology)
     topology = topology_for(engine_group(process_group), device_mesh, shard_size, device.type, hpz_size)
     parts = assemble(model, optimizer, config, topology, device, leaves, units, policies, plan, meta_init, stream_pairs)
+    mark_sharded(model)
     return Zero3Engine(parts)
 
 
