@@ -3,9 +3,10 @@
 ``assemble`` is what ``zero3.initialize`` calls once every argument is
 checked: the shard layout and the optimizer on its master shards (a factory
 that fails on any rank leaves every model untouched), the values into the
-shards, then the parameter path (Gatherer, ParamCoordinator), the gradient
-path (GradReducer, BackwardPass, OptimizerStep), the module hooks that drive
-them, and the statistics.
+shards, then the gradient path (GradReducer, OptimizerStep), the parameter
+path (Gatherer, ParamCoordinator), the backward pass that joins them and
+makes the module hooks that drive both, and the statistics. Each part gets
+its collaborators when it is made: nothing is wired in afterwards.
 """
 
 from __future__ import annotations
@@ -188,17 +189,41 @@ def assemble(
         setattr(shard.param, "ds_shape", shard.shape)
         setattr(shard.param, "ds_numel", shard.numel)
 
-    # the parameter path
+    # the gradient path first: the parameter path's gathers wait on its host step (offload)
     record, timeline = StepRecord(), Timeline()
+    gather_streams, reduce_streams = stream_pairs(device), stream_pairs(device)
+
+    def final_micro_step() -> bool:
+        """The backward under way ends the accumulation window (HSDP's replica stage, offload's streaming)."""
+        return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
+
+    reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory,
+                             final_micro_step)
+    step_kind: Any = OptimizerStep if offload is None else functools.partial(
+        OffloadedStep, layout=layout, overlap=offload.overlap,
+        final_landing=final_micro_step,
+        # the next forward gathers them, persistent ones too, in the trace's order (host_step's Note)
+        gather_order=policies.trace.param_order,
+    )
+    optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
+        optimizer, reducer, layout.shards, layout.trainable, layout.masters,
+        masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
+        scaler=LossScaler(config.loss_scaling) if config.compute_dtype == "fp16" else None,
+    )
+
+    # the parameter path
     agreement = FetchAgreement(group, device, watch, lambda: state.micro_step)
     leaf_roots = set(leaf_modules)
     hooked = fetch_groups(module, params, leaf_roots, units.roots)
     gatherer = Gatherer(
-        layout.shards, group=topology.shard_group, streams=stream_pairs(device),
+        layout.shards, group=topology.shard_group, streams=gather_streams,
         limiter=policies.limiter, log=log, memory=memory, record=record, waiter=watch.wait, overlap=config.overlap_comm,
+        # offload: a gather waits for its shards' update from the host
+        before_gather=optimizer_step.host_step.fence if isinstance(optimizer_step, OffloadedStep) else None,
+        # hpZ: backward gathers within the node
+        secondary=None if topology.secondary_group is None else SecondaryPartitions(
+            layout.shards, topology.secondary_group, state, memory),
     )
-    if topology.secondary_group is not None:  # hpZ: backward gathers within the node
-        gatherer.secondary = SecondaryPartitions(layout.shards, topology.secondary_group, state, memory)
     rounds = FetchRounds(gatherer, agreement.group, device, watch.wait, log) if config.divergent_graphs else None
     coordinator = ParamCoordinator(
         gatherer, hooked, trace=policies.trace, planner=policies.planner, record=record, ranks=agreement,
@@ -211,36 +236,15 @@ def assemble(
         fetches=None if rounds is not None else agreement,
     )
 
-    # the gradient path, and the module hooks that drive both paths (the backward pass makes them)
-    reduce_streams = stream_pairs(device)
-
-    def final_micro_step() -> bool:
-        """The backward under way ends the accumulation window (HSDP's replica stage, offload's streaming)."""
-        return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
-
-    reducer = _build_reducer(layout, config, topology, device, memory_plan, watch, reduce_streams, log, memory,
-                             final_micro_step)
+    # the backward pass joins the two paths and makes the module hooks that drive them
     backward = BackwardPass(
         layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
         defer_reductions=config.divergent_graphs,
+        # an fp16 loss must be scaled (see zero3.training.loss_scale)
+        engine_backward_required=optimizer_step is not None and optimizer_step.scaler is not None,
     )
     hooks = backward.hooks
-    step_kind: Any = OptimizerStep if offload is None else functools.partial(
-        OffloadedStep, layout=layout, overlap=offload.overlap,
-        final_landing=final_micro_step,
-        # the next forward gathers them, persistent ones too, in the trace's order (host_step's Note)
-        gather_order=policies.trace.param_order,
-    )
-    optimizer_step: OptimizerStep | None = None if optimizer is None or reducer is None else step_kind(
-        optimizer, reducer, layout.shards, layout.trainable, layout.masters,
-        masters_are_shards=layout.masters_are_shards, clip=config.gradient_clipping, memory=memory,
-        scaler=LossScaler(config.loss_scaling) if config.compute_dtype == "fp16" else None,
-    )
-    if isinstance(optimizer_step, OffloadedStep):
-        gatherer.before_gather = optimizer_step.host_step.fence  # a gather waits for its shards' update
-    if optimizer_step is not None and optimizer_step.scaler is not None:
-        backward.once.engine_backward_required = True  # an fp16 loss must be scaled (see zero3.training.loss_scale)
     stats = StepStats(
         log, memory, policies.limiter,
         comm_wait=lambda: gatherer.comm_wait_s + (0.0 if reducer is None else reducer.comm_wait_s),
@@ -252,7 +256,7 @@ def assemble(
         param_names=names,
         log=log, memory=memory, memory_plan=memory_plan, step_state=state, watch=watch, layout=layout,
         optimizer=optimizer, lr_scheduler=lr_scheduler, trace=policies.trace, limiter=policies.limiter, record=record,
-        gather_streams=gatherer.streams, reduce_streams=reduce_streams, timeline=timeline,
+        gather_streams=gather_streams, reduce_streams=reduce_streams, timeline=timeline,
         coordinator=coordinator, reducer=reducer, hooks=hooks, meeting=meeting,
         forward_context=ForwardContext(
             ParamUseMode(coordinator, hooks), module, hooks, coordinator, leaf_modules, units.roots, state),

@@ -61,6 +61,7 @@ class BackwardPass:
         agreement: FetchAgreement,
         step: StepState,
         defer_reductions: bool,
+        engine_backward_required: bool = False,
     ) -> None:
         self.shards, self.names, self.trainable = shards, names, trainable
         self.coordinator, self.reducer, self.record = coordinator, reducer, record
@@ -86,7 +87,8 @@ class BackwardPass:
         #: which module hands over which gradient, and which parameters have a hook of their own
         self.owners = GradOwners(coordinator.units, self.leaf_params)
         #: refuses a second backward over one forward (see ``zero3.training.backward_once``)
-        self.once = OneBackwardPerForward(watch, self.hooks, record, coordinator.root)
+        self.once = OneBackwardPerForward(watch, self.hooks, record, coordinator.root,
+                                          engine_backward_required=engine_backward_required)
         #: seconds spent finishing the ranks' comparison of a backward
         self.check_s = 0.0
         #: the step checks in flight and what they taught (``zero3.training.step_checks``)

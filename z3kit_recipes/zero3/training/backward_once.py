@@ -61,11 +61,12 @@ class EngineBackwardRequired(RuntimeError):
 class OneBackwardPerForward:
     """Whether a forward ran since the last backward (see the module Notes)."""
 
-    def __init__(self, watch: RankWatch, hooks: ModuleHooks, record: StepRecord, root: nn.Module) -> None:
+    def __init__(self, watch: RankWatch, hooks: ModuleHooks, record: StepRecord, root: nn.Module, *,
+                 engine_backward_required: bool = False) -> None:
         self.watch, self.hooks, self.record = watch, hooks, record
         self._forward_pending = False
         #: fp16: a backward must come through ``engine.backward`` (which sets ``in_engine_backward``)
-        self.engine_backward_required = False
+        self.engine_backward_required = engine_backward_required
         self.in_engine_backward = False
 
         @outside_graphs

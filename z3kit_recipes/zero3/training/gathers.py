@@ -41,6 +41,8 @@ class Gatherer:
         record: StepRecord,
         waiter: Waiter,
         overlap: bool,
+        before_gather: Callable[[Sequence[int]], None] | None = None,
+        secondary: SecondaryPartitions | None = None,
     ) -> None:
         self.shards = list(shards)
         self.group, self.streams, self.log, self.memory = group, streams, log, memory
@@ -58,9 +60,9 @@ class Gatherer:
         #: seconds spent blocked on gathers (demand gathers and waits on prefetches)
         self.comm_wait_s = 0.0
         #: called with the parameters of each gather before it is issued (offload: their update must be written)
-        self.before_gather: Callable[[Sequence[int]], None] | None = None
+        self.before_gather = before_gather
         #: hpZ: backward gathers from slices within the node (``zero3.training.secondary``); None: off
-        self.secondary: SecondaryPartitions | None = None
+        self.secondary = secondary
 
     # -- issue and complete --------------------------------------------------------------
     def gather(self, pids: list[int], *, wait: bool) -> None:
