@@ -88,7 +88,8 @@ def _worker(rank: int, world: int, port: int, conn: Connection) -> None:
 
 
 #: imported once by the fork server, so that a new worker starts with them loaded
-PRELOAD = ["torch", "torch.distributed", "transformers", "z3kit_recipes.zero3", "tests.zero3_models"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "z3kit_recipes.zero3", "tests.zero3_models",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
 
 
 def _process_context() -> Any:
