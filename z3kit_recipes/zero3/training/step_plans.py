@@ -80,8 +80,11 @@ class StepPlans:
         if was_recording and not self._partial and self.trace.state is TraceState.COMPLETE:
             self.recorded = RecordedStep(
                 tuple(self._fetches), tuple(self._exits_seen), tuple(self._events), tuple(self.units.numels),
-                self.persistent, self.persistent, tuple(sorted(self.persistent)) if self.overlap else (),
-                tuple(self._unnumbered),
+                persistent=self.persistent,
+                # after an optimizer step the persistent parameters are gathered again, in flight with overlap
+                gathered_at_start=self.persistent,
+                inflight_at_start=tuple(sorted(self.persistent)) if self.overlap else (),
+                unnumbered=tuple(self._unnumbered),
             )
             self.plan = self.summary = None
         elif self.trace.state is not TraceState.COMPLETE:
