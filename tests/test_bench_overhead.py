@@ -11,7 +11,9 @@ import torch
 
 from tests.dist_pool import PoolSet, WorkerContext
 from z3kit_recipes.bench.cli import build_parser
-from z3kit_recipes.bench.overhead import OVERHEAD_RUNTIMES, paired_overheads, per_module_units, slope, unit_slopes
+from z3kit_recipes.bench.overhead import (
+    OVERHEAD_RUNTIMES, merge_processes, paired_overheads, per_module_units, slope, unit_slopes,
+)
 from z3kit_recipes.bench.overhead_cli import OverheadSettings, render, run_overhead
 from z3kit_recipes.models import GPT, LLAMA_CONFIG, GPTConfig
 
@@ -59,7 +61,31 @@ def test_pairs_alternate_plain_and_each_runtime() -> None:
     out = paired_overheads(stepper("p"), {"a": stepper("a"), "b": stepper("b")}, [batch] * 2, repeats=2, warmup=1)
     assert "".join(calls) == "pab" + "ppaappbb" * 2  # warm-up, then plain before each runtime's chunk
     assert set(out) == {"plain", "a", "b"}
-    assert set(out["a"]) == {"cpu_s", "wall_s", "overhead_cpu_s", "overhead_wall_s"}
+    assert set(out["a"]) == {"cpu_s", "wall_s", "plain_cpu_s", "plain_wall_s", "overhead_cpu_s", "overhead_wall_s"}
+
+
+def test_merged_processes_keep_each_runtime_beside_its_own_plain_torch() -> None:
+    def run(rt: str, plain: float, overhead_per_block: float) -> dict[str, Any]:
+        def case(n: int) -> dict[str, Any]:
+            own = {"cpu_s": plain * n, "wall_s": plain * n}
+            return {"depth": n, "runtimes": {"plain": own, rt: {
+                "cpu_s": (plain + overhead_per_block) * n, "wall_s": (plain + overhead_per_block) * n,
+                "plain_cpu_s": plain * n, "plain_wall_s": plain * n,
+                "overhead_cpu_s": overhead_per_block * n, "overhead_wall_s": overhead_per_block * n, "units": n}}}
+
+        return {"tiny": [case(2), case(4)], "gpt": case(10)}
+
+    # a process whose runtime slowed plain torch too (3e-4 a block there, 1e-4 elsewhere)
+    out = merge_processes([run("a", 1e-4, 5e-5), run("b", 3e-4, 2e-5), run("c", 1e-4, 1e-5)], [2, 4])
+    assert set(out) == {"tiny", "per_block", "gpt"} and [c["depth"] for c in out["tiny"]] == [2, 4]
+    assert out["per_block"]["plain"]["cpu_s"] == pytest.approx(1e-4)  # the median process's plain torch
+    assert {rt: out["per_block"][rt]["cpu_s"] for rt in "abc"} == pytest.approx({"a": 5e-5, "b": 2e-5, "c": 1e-5})
+    gpt = out["gpt"]["runtimes"]
+    assert gpt["b"]["plain_cpu_s"] == pytest.approx(3e-3) and gpt["plain"]["cpu_s"] == pytest.approx(1e-3)
+    table = render({"runtimes": ["a", "b", "c"], "results": {**out, "llama": out["gpt"]}})
+    assert "| b | 20 | 0.2 (1.07x) | 0.2 (1.07x) | 4 / 10 / 10 |" in table  # b's ratio is to the plain torch it ran beside
+    with pytest.raises(ValueError, match="at least one run"):
+        merge_processes([], [2, 4])
 
 
 def test_fsdp2_per_module_leaves_the_tied_head_to_the_root_and_shards_children_first() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from z3kit.hook_context import at_backward_end, in_backward
+from z3kit.hook_context import at_backward_end, in_backward, outside_graphs
 
 
 def test_the_callback_runs_once_after_every_gradient_of_its_backward() -> None:
@@ -58,3 +58,32 @@ def test_queued_inside_a_reentrant_checkpoint_it_runs_at_the_inner_backwards_end
 def test_outside_a_backward_it_refuses() -> None:
     with pytest.raises(RuntimeError, match="inside a backward"):
         at_backward_end(lambda: None)
+
+
+def test_outside_graphs_keeps_a_body_and_its_callees_out_of_compiled_code() -> None:
+    # pins what outside_graphs borrows from dynamo: its frame-callback query and
+    # the markers of torch.compiler.disable (see the Note in z3kit.hook_context)
+    from torch._dynamo.testing import CompileCounter
+
+    seen: list[bool] = []
+
+    def callee(x: torch.Tensor) -> torch.Tensor:  # compiled as a frame of its own if reached with dynamo's callback on
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    @outside_graphs
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())
+        return callee(x)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return body(x * 2) * 3
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=counter)
+    x = torch.ones(3)
+    assert torch.equal(compiled(x), step(x))
+    assert seen == [False] * 4  # the body and its callee ran eagerly, compiled or not
+    assert counter.frame_count == 2  # the graphs before and after the body: the callee was not compiled
+    torch._dynamo.reset()

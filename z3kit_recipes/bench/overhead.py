@@ -6,7 +6,10 @@ world 1 on CPU (a gloo group of one), with the same optimizer (``Adam``,
 alternating chunks, plain torch before each runtime (plain, A, plain, B,
 ... repeated), and a runtime's overhead is the median over the repeats of
 its chunk's median step time minus the plain chunk's just before it: a
-machine that other jobs share slows both halves of a pair alike.
+machine that other jobs share slows both halves of a pair alike. The
+command runs each runtime in a process of its own (``bench.overhead_cli``,
+the Note on a process per runtime) and merges the processes' figures
+(``merge_processes``).
 
 Both process CPU time (``time.process_time``: every thread of the process)
 and wall time are measured per step. On ``TinyWorkload`` models of N blocks
@@ -153,8 +156,9 @@ def paired_overheads(
     """Plain and each runtime stepped in alternating chunks (plain, A, plain, B, ...) ``repeats`` times.
 
     Returns ``{"plain": {...}, name: {...}}``: each with ``cpu_s``/``wall_s`` (the median over its
-    chunks of the chunk's median step) and, for a runtime, ``overhead_cpu_s``/``overhead_wall_s``
-    (the median over the repeats of its chunk minus the plain chunk before it).
+    chunks of the chunk's median step) and, for a runtime, ``plain_cpu_s``/``plain_wall_s`` (the
+    same of the plain chunks paired with it) and ``overhead_cpu_s``/``overhead_wall_s`` (the median
+    over the repeats of its chunk minus the plain chunk before it).
     """
     if repeats < 1 or warmup < 0 or not batches:
         raise ValueError(f"repeats must be >= 1, warmup >= 0 and batches non-empty; got {repeats}, {warmup}, "
@@ -175,6 +179,8 @@ def paired_overheads(
         out[name] = {
             "cpu_s": statistics.median(t.cpu_s for _, t in pairs),
             "wall_s": statistics.median(t.wall_s for _, t in pairs),
+            "plain_cpu_s": statistics.median(b.cpu_s for b, _ in pairs),
+            "plain_wall_s": statistics.median(b.wall_s for b, _ in pairs),
             "overhead_cpu_s": statistics.median(t.cpu_s - b.cpu_s for b, t in pairs),
             "overhead_wall_s": statistics.median(t.wall_s - b.wall_s for b, t in pairs),
         }
@@ -207,4 +213,26 @@ def unit_slopes(cases: Sequence[JSON], depths: Sequence[int]) -> JSON:
         if rt != "plain":
             out[rt] = {kind: slope(depths, [c["runtimes"][rt][f"overhead_{kind}"] for c in cases])
                        for kind in ("cpu_s", "wall_s")}
+    return out
+
+
+def merge_processes(runs: Sequence[JSON], depths: Sequence[int]) -> JSON:
+    """The results of several processes, each of which measured its own runtimes against its own
+    plain torch (``bench.overhead_cli``), as one: every runtime's figures as measured beside its
+    own plain torch, plain torch's as the median over the processes, and the slopes over ``depths``."""
+    if not runs:
+        raise ValueError("merge_processes needs at least one run")
+
+    def merged(cases: Sequence[JSON]) -> JSON:
+        plains = [c["runtimes"]["plain"] for c in cases]
+        figures: JSON = {"plain": {kind: statistics.median(p[kind] for p in plains) for kind in ("cpu_s", "wall_s")}}
+        for case in cases:
+            figures.update((rt, fig) for rt, fig in case["runtimes"].items() if rt != "plain")
+        return {**cases[0], "runtimes": figures}
+
+    tiny = [merged([run["tiny"][i] for run in runs]) for i in range(len(runs[0]["tiny"]))]
+    out: JSON = {"tiny": tiny, "per_block": unit_slopes(tiny, depths)}
+    for model in ("gpt", "llama"):
+        if model in runs[0]:
+            out[model] = merged([run[model] for run in runs])
     return out
