@@ -49,6 +49,18 @@ class GradPartitionBuffer:
         """Copy (first contribution in the window) or add ``partition`` into view ``index``."""
         if type(index) is not int or not 0 <= index < len(self.views):  # noqa: E721 (a bool is refused too)
             self._check_index(index)
+        view = self.views[index]
+        # one cheap test for the common case (this runs once per gradient); the messages are _refuse's
+        if not (isinstance(partition, torch.Tensor) and partition.is_floating_point()
+                and partition.numel() == view.numel() and partition.device == view.device):
+            self._refuse(index, partition)
+        if self._has_grad[index]:
+            view.add_(partition.reshape(-1))
+        else:
+            view.copy_(partition.reshape(-1))
+            self._has_grad[index] = True
+
+    def _refuse(self, index: int, partition: object) -> None:
         if not isinstance(partition, torch.Tensor):
             raise TypeError(f"partition must be a torch.Tensor, got {type(partition).__name__}")
         if not partition.is_floating_point():
@@ -56,13 +68,7 @@ class GradPartitionBuffer:
         view = self.views[index]
         if partition.numel() != view.numel():
             raise ValueError(f"partition {index} has {view.numel()} elements, got {partition.numel()}")
-        if partition.device != view.device:
-            raise ValueError(f"partition is on {partition.device} but the buffer is on {view.device}")
-        if self._has_grad[index]:
-            view.add_(partition.reshape(-1))
-        else:
-            view.copy_(partition.reshape(-1))
-            self._has_grad[index] = True
+        raise ValueError(f"partition is on {partition.device} but the buffer is on {view.device}")
 
     def _check_index(self, index: int) -> None:
         # a negative index would silently pick a partition from the end

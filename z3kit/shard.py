@@ -72,6 +72,9 @@ class ParamShard:
     #: one rank: ``full`` is the shard (see the Note at world 1)
     aliased: bool = attrs.field(init=False)
     _empty: torch.Tensor = attrs.field(init=False)
+    #: ``full``'s first ``numel`` elements in the parameter's shape, what ``param.data`` is while
+    #: gathered: made once (a view made per install cost ~2.4 us), while ``full`` has its bytes
+    _full_view: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.aliased = self.world == 1
@@ -79,6 +82,8 @@ class ParamShard:
             self.full = self.shard
         else:
             self.full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self._full_view = self.full[: self.numel].view(self.shape)
+        if not self.aliased:
             _free_storage(self.full)
         self._empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
 
@@ -149,7 +154,7 @@ class ParamShard:
         """``full`` holds the gathered values: ``param.data`` views it, AVAILABLE."""
         if not self.aliased and self.full.untyped_storage().nbytes() == 0:
             raise ValueError("install before materialize: the full buffer has no storage to read")
-        self.param.data = self.full[: self.numel].view(self.shape)
+        self.param.data = self._full_view
         self.status = ParamStatus.AVAILABLE
 
     def release(self) -> None:

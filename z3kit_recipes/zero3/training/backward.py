@@ -64,6 +64,8 @@ class BackwardPass:
         engine_backward_required: bool = False,
     ) -> None:
         self.shards, self.names, self.trainable = shards, names, trainable
+        #: each parameter, by id (read once per gradient: not through its shard)
+        self.params = [s.param for s in shards]
         self.coordinator, self.reducer, self.record = coordinator, reducer, record
         self.watch, self.agreement = watch, agreement
         #: where the step is: the backward opens and closes it
@@ -115,9 +117,9 @@ class BackwardPass:
 
     def _hand_over_held(self, pids: Sequence[int]) -> None:
         """Hand over what ``.grad`` of each of ``pids`` holds, if anything."""
-        shards = self.shards
+        params = self.params
         for pid in pids:
-            param = shards[pid].param
+            param = params[pid]
             grad = param.grad
             if grad is not None:
                 self._hand_over(pid, param, grad)

@@ -138,15 +138,13 @@ class ParamCoordinator:
         backward = in_backward()
         forward = self.step.tracing and not backward
         if forward:
-            self.traced.forward_fetch(module)
-        elif backward:
+            self._fetch_entry(module, Phase.FORWARD, self.traced.forward_fetch(module))
+            return
+        if backward:
             self.traced.backward_fetch(module)
         elif self._gathers(self.module_params[module]):
             self.ranks.agree_untraced((self.units.name(module), self.units.numel(module)))
-        if forward:
-            self._fetch_entry(module, Phase.FORWARD)
-        else:
-            self._fetch_off_trace(module, in_step=backward)
+        self._fetch_off_trace(module, in_step=backward)
 
     def _gathers(self, pids: list[int]) -> bool:
         """Fetching ``pids`` issues a gather (one is not gathered, nor in flight)."""
@@ -177,18 +175,18 @@ class ParamCoordinator:
             return
         for entry in entries:  # a ghost stays held until its own post-backward, or the end of backward
             self.traced.backward_fetch(entry)
-            self._fetch_entry(entry, Phase.BACKWARD)
+            self._fetch_entry(entry, Phase.BACKWARD, self.traced.on_fetch(entry))
 
     def finish_schedule(self) -> None:
         """End of backward: the schedule's remaining entries, fetched as ghosts
         on every rank (released with everything else right after)."""
         for entry in self.traced.unscheduled():
             self.traced.backward_fetch(entry)
-            self._fetch_entry(entry, Phase.BACKWARD)
+            self._fetch_entry(entry, Phase.BACKWARD, self.traced.on_fetch(entry))
 
-    def _fetch_entry(self, module: nn.Module, phase: Phase) -> None:
-        """A fetch that is an entry of the trace: gathered, held, and the plan's prefetch after it."""
-        matches = self.traced.on_fetch(module)
+    def _fetch_entry(self, module: nn.Module, phase: Phase, matches: bool) -> None:
+        """A fetch that is an entry of the trace (``matches``: the complete trace's next one):
+        gathered, held, and the plan's prefetch after it."""
         self._gather_and_hold(module)
         ahead = self.plans.fetched(module, self.trace.cursor - 1, phase)
         if matches and ahead and self.rounds is None:

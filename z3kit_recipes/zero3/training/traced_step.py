@@ -86,22 +86,24 @@ class TracedStep:
         self.position.backward_began = False
 
     # -- fetches --------------------------------------------------------------------------------
-    def forward_fetch(self, module: nn.Module) -> None:
-        """A forward fetch of the step: logged; checked against a complete
-        trace, or agreed where no trace vouches for it."""
+    def forward_fetch(self, module: nn.Module) -> bool:
+        """A forward fetch of the step: logged, and an entry of the trace
+        (``on_fetch``); checked against a complete trace, or agreed where no
+        trace vouches for it. True when it matched the complete trace."""
         if not self.agreeing:
-            return
+            return self.on_fetch(module)
         index = self._forward.fetched(module)
         self.position.forward_fetches = len(self._forward)
-        key, (ids, numels) = self.units.keys[module], self.units.fetch_key(module)
-        if self.trace.state is TraceState.COMPLETE and not self.check_every_fetch:
-            if not self.trace.expects(key, ids, numels):
-                expected = self.trace.next_module()
-                was = "the end of its forward" if expected is None else self.units.name_of_key(expected)
-                self.ranks.left_trace(index, f"fetches {self.units.name(module)!r} where the trace has {was}")
         if self.trace.state is not TraceState.COMPLETE or self.check_every_fetch:
             self._agreed_forward = True
             self.ranks.agree(index, (self.units.name(module), self.units.numel(module)))
+            return self.on_fetch(module)
+        expected = self.trace.next_module()  # read first: a fetch that leaves the trace drops it
+        matches = self.on_fetch(module)
+        if not matches:
+            was = "the end of its forward" if expected is None else self.units.name_of_key(expected)
+            self.ranks.left_trace(index, f"fetches {self.units.name(module)!r} where the trace has {was}")
+        return matches
 
     def forward_exit(self, module: nn.Module, *, needs_grad: bool) -> None:
         """A forward call of the step returned; one whose output needs no gradient has no backward."""
