@@ -121,10 +121,13 @@ class Double:
         """Block until every waited collective that writes memory of ``tensors`` landed."""
         if not self._unlanded:
             return
+        self.land_spans([s for s in (_span(t) for t in tensors) if s is not None])
+
+    def land_spans(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Block until every waited collective that writes memory of ``spans`` (address ranges) landed."""
         with self._lock:
             self._unlanded = [w for w in self._unlanded if not w.landing.landed]
             pending = list(self._unlanded)
-        spans = [s for s in (_span(t) for t in tensors) if s is not None]
         for work in pending:
             if any(_inside_any(span, work.spans) for span in spans):
                 work.landing.block(self.host_bound_s)
@@ -190,11 +193,23 @@ class _LandingGate(TorchDispatchMode):
         self._saved = [(name, torch.Tensor.__dict__.get(name)) for name in _UNDISPATCHED_READS]
         for name, _ in self._saved:
             setattr(torch.Tensor, name, self._gated(getattr(torch.Tensor, name)))
+        # so does a storage resize: on a device, freeing or growing memory is ordered on the
+        # compute stream, after its wait on the collective that writes there
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def gated_resize(storage: torch.UntypedStorage, nbytes: int) -> Any:
+            start, size = storage.data_ptr(), storage.nbytes()
+            if self.double._unlanded and start and size and threading.get_ident() == self._thread:
+                self.double.land_spans([(start, start + size)])
+            return resize(storage, nbytes)
+
+        torch.UntypedStorage.resize_ = gated_resize  # type: ignore[method-assign]
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         for name, func in reversed(self._saved):
             if func is None:
                 delattr(torch.Tensor, name)  # inherited from torch._C.TensorBase

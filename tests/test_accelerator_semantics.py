@@ -199,6 +199,32 @@ def test_wait_only_orders_and_the_data_lands_later(pools: Any) -> None:
         assert r["violations"] == [], r
 
 
+
+def run_free_while_peer_is_late(ctx: Any) -> dict[str, Any]:
+    """Rank 1 issues its side 1 s late: rank 0 frees the output's storage right
+    after ``wait()``. On a device the free is ordered on the compute stream,
+    after its wait on the collective; here it must wait for the data to land,
+    or the collective would write into freed memory."""
+    group = _group(ctx)
+    out: dict[str, Any] = {}
+    with DOUBLE.observing():
+        if ctx.rank == 1:
+            time.sleep(1.0)
+        t = torch.full((4096,), float(ctx.rank + 1))
+        work = dist.all_reduce(t, group=group, async_op=True)
+        start = time.monotonic()
+        work.wait()
+        t.untyped_storage().resize_(0)
+        out["free_s"] = time.monotonic() - start
+        out["violations"] = list(DOUBLE.violations)
+    return out
+
+
+def test_a_storage_freed_after_wait_waits_for_the_data(pools: Any) -> None:
+    early, late = pools.run(2, run_free_while_peer_is_late, timeout=60)
+    assert early["free_s"] > 0.5, early  # the free waited for the landing
+    assert early["violations"] == [] and late["violations"] == []
+
 def _end(group: Any, how: str) -> None:
     if how == "abort_process_group":
         dist.distributed_c10d._abort_process_group(group)
