@@ -61,6 +61,14 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def backward_pass_id() -> int:
+    """The backward pass running in this thread, as a number no other pass of
+    this process shares (a reentrant checkpoint's inner backward is a pass of
+    its own); -1 outside a backward pass."""
+    task: int = torch._C._current_graph_task_id()
+    return task
+
+
 def at_backward_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass under way ends (call it from inside one)."""
     if not in_backward():
@@ -68,4 +76,4 @@ def at_backward_end(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-__all__ = ["at_backward_end", "in_backward", "outside_graphs"]
+__all__ = ["at_backward_end", "backward_pass_id", "in_backward", "outside_graphs"]

@@ -2,15 +2,33 @@
 
 ``ModuleHooks`` calls user-supplied actions at a module's pre-forward,
 post-forward, pre-backward and post-backward. Forward points are torch's
-module forward hooks. Backward points come from two
-``torch.autograd.Function`` wrappers placed around each call:
+module forward hooks. The backward points hang on the autograd graph of
+each call:
 
-* outputs pass through ``_PreBackward``: its backward runs when the
-  gradients of the call's outputs arrive, i.e. before the module's own
-  backward ops, and fires *pre-backward* (once per call);
-* inputs pass through ``_PostBackward``: its backward runs once the
-  gradients of all of the call's inputs are computed, i.e. after the
-  module's backward ops, and marks the call done.
+* pre-backward: a pre-hook on the autograd node that made each output
+  (``Node.register_prehook``) runs when the gradients of that node's
+  outputs arrive, i.e. before the module's own backward ops, and fires
+  *pre-backward* (once per call and backward pass: the first of the
+  call's nodes to run fires it);
+* post-backward: inputs pass through ``_PostBackward``, a
+  ``torch.autograd.Function``: its backward runs once the gradients of all
+  of the call's inputs are computed, i.e. after the module's backward ops,
+  and marks the call done.
+
+Note: why pre-backward is a node pre-hook.
+    A pass-through ``autograd.Function`` on the outputs did the same job
+    for ~14 us per call (the Python ``apply``, a ``ctx``, a detached alias
+    per output, and a Python backward), a node pre-hook for ~3 us; and the
+    module's outputs stay the tensors it returned. An output with no node
+    (a leaf that requires grad, returned as is) has no node to hook: it
+    passes through ``_PreBackward``, the Function, as before.
+
+Note: outputs an inner call returned.
+    A module that returns a hooked child's output as it is (a container, a
+    model returning its head's logits) must fire its pre-backward before
+    the child's, as the outer call it is. Pre-hooks on one node run in the
+    order they were added, the child's first; so such an output passes
+    through ``_PreBackward`` instead, whose node runs before the child's.
 
 Note: reference counting.
     A module called k times in one forward has k calls in flight in
@@ -28,14 +46,14 @@ Note: modules whose inputs need no gradient.
     end-of-backward callback, fires post-backward for every module still
     open, so everything is released by the end of backward at the latest.
 
-Note: why the wrappers return detached tensors.
+Note: why the Functions return detached tensors.
     A custom Function returning an input as-is makes it a view, on which
-    autograd forbids in-place ops (``nn.ReLU(inplace=True)`` after a hooked
-    ``Linear``). A detached alias is an ordinary output that shares the
+    autograd forbids in-place ops (an ``nn.ReLU(inplace=True)`` on a hooked
+    module's input). A detached alias is an ordinary output that shares the
     version counter, so a bad in-place op is still caught.
 
 Note: unused outputs.
-    A wrapper's backward gets ``None``, not zeros, for a wrapped tensor that
+    A Function's backward gets ``None``, not zeros, for a wrapped tensor that
     received no gradient (``set_materialize_grads(False)``) and passes it on
     as ``None``. Materialized zeros would flow into the branch that produced
     the unused tensor, so a parameter used only there (or an input that the
@@ -44,12 +62,12 @@ Note: unused outputs.
 
 Note: chains.
     In a sequence of hooked modules each call's only input is usually the
-    previous call's output, which already comes out of a ``_PreBackward``
-    node. That node's backward runs once the gradient of that tensor (and
-    of the previous call's other outputs) is done, so it can mark the later
-    call's input gradients done too, just before it fires its own
-    pre-backward: the later call then needs no ``_PostBackward`` node of its
-    own, which halves the autograd nodes the hooks add to such a model.
+    previous call's output. The pre-hook on that output's node runs once
+    the gradient of that tensor is done, i.e. after the later call's
+    backward ops, so it can mark the later call's input gradients done
+    too, just before it fires its own pre-backward: the later call then
+    needs no ``_PostBackward`` node of its own, and a chain of hooked
+    modules adds no autograd node at all.
 
 Note: hook bodies run with torch-function dispatch disabled.
     Wrapping, gathering and releasing are bookkeeping: a runtime watching
@@ -62,7 +80,8 @@ Note: hooks under torch.compile.
     ``param.data`` swap, a collective, a counter) is ever traced. A hook
     called from compiled code breaks the graph and runs eagerly; a module
     compiled on its own runs its hooks outside its compiled forward, which
-    stays one graph. The backward points are nodes those hooks create.
+    stays one graph. The backward points are node pre-hooks and Functions
+    those hooks add.
 
 Outputs and inputs may be tensors or any nesting of tuples, lists, dicts,
 dataclasses and namedtuples; only tensors that require grad are wrapped,
@@ -73,6 +92,7 @@ tables, never on the modules.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +101,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from z3kit.hook_context import in_backward, outside_graphs
+from z3kit.hook_context import backward_pass_id, in_backward, outside_graphs
 from z3kit.host_work import HostWork
 from z3kit.nested import iter_tensors, map_tensors
 
@@ -115,25 +135,52 @@ class _Call:
     open: bool = False
 
 
+#: outputs remembered before the dead ones among them are dropped (forwards that never see a backward)
+_WATCHED_PRUNE_AT = 4096
+
+
+class _BackwardEntry:
+    """A call's way into backward: fires its pre-backward (after marking the
+    chained calls' post-backward, see the Note on chains) the first time any
+    of its output nodes runs in a backward pass. Called as a node pre-hook
+    (with the node's output gradients, left as they are) and from
+    ``_PreBackward`` (for outputs without a node)."""
+
+    __slots__ = ("hooks", "call", "closes", "_pass")
+
+    def __init__(self, hooks: ModuleHooks, call: _Call) -> None:
+        self.hooks, self.call = hooks, call
+        #: later calls whose post-backward this entry also marks (see the Note on chains)
+        self.closes: list[_Call] = []
+        self._pass = -1  # the backward pass that last fired it
+
+    def __call__(self, *grads: Any) -> None:
+        hooks = self.hooks
+        hooks.work.hooks += 1
+        now = backward_pass_id()
+        if now == self._pass:  # another output node of the same call, in the same pass
+            return None
+        self._pass = now
+        for later in reversed(self.closes):  # the innermost, latest call first
+            hooks._post_backward(later)
+        hooks._pre_backward(self.call)
+        return None
+
+
 class _PreBackward(torch.autograd.Function):
+    """Outputs without an autograd node (leaves that require grad, returned as they are) pass
+    through it: its backward is their pre-hook (see the Note on why pre-backward is a node pre-hook)."""
+
     @staticmethod
-    def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hooks, ctx.call = hooks, call
-        ctx.closes = []  # later calls whose post-backward this node also marks (see the Note on chains)
+    def forward(ctx: Any, entry: _BackwardEntry, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.entry = entry
         ctx.set_materialize_grads(False)  # see the Note on unused outputs
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.hooks.work.hooks += 1
-        for later in reversed(ctx.closes):  # the innermost, latest call first
-            ctx.hooks._post_backward(later)
-        ctx.hooks._pre_backward(ctx.call)
-        return (None, None, *grads)
-
-
-#: the autograd node class of ``_PreBackward``, to recognise its outputs
-_PRE_BACKWARD_NODE: Any = getattr(_PreBackward, "_backward_cls")
+        ctx.entry()
+        return (None, *grads)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -150,23 +197,17 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _wrap_tensors(
-    fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """``tensors`` passed through one ``fn`` node."""
+def _wrap_tensors(hooks: ModuleHooks, fn: type[torch.autograd.Function], *args: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors among ``args`` (after the Function's own arguments) passed through one ``fn`` node."""
     hooks.work.functions += 1
-    wrapped: tuple[torch.Tensor, ...] = fn.apply(hooks, call, *tensors)
+    wrapped: tuple[torch.Tensor, ...] = fn.apply(*args)
     return wrapped
 
 
-def _wrap(fn: type[torch.autograd.Function], hooks: ModuleHooks, call: _Call, obj: Any) -> Any:
-    """Pass the tensors of ``obj`` that need grad through one ``fn`` node."""
-    targets = [t for t in iter_tensors(obj) if _needs_wrap(t)]
-    if not targets:
-        return obj, False
-    wrapped = _wrap_tensors(fn, hooks, call, *targets)
+def _replaced(obj: Any, targets: list[torch.Tensor], wrapped: tuple[torch.Tensor, ...]) -> Any:
+    """``obj`` with each of ``targets`` replaced by its counterpart in ``wrapped``."""
     by_id = {id(t): w for t, w in zip(targets, wrapped)}
-    return map_tensors(lambda t: by_id.get(id(t), t), obj), True
+    return map_tensors(lambda t: by_id.get(id(t), t), obj)
 
 
 class ModuleHooks:
@@ -188,6 +229,11 @@ class ModuleHooks:
         self._actions: dict[nn.Module, HookActions] = {}
         self._calls: dict[nn.Module, list[_Call]] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
+        #: outputs whose node carries an entry since the last reset, by id (see the Note on outputs
+        #: an inner call returned)
+        self._watched: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: the last call's only output (a weak reference) and its entry: a call taking it is chained
+        self._last_output: tuple[weakref.ref[torch.Tensor], _BackwardEntry] | None = None
 
     def attach(self, module: nn.Module, actions: HookActions | None = None) -> None:
         if not isinstance(module, nn.Module):
@@ -250,6 +296,8 @@ class ModuleHooks:
         """Forget calls in progress (after an exception aborted a forward or backward)."""
         self.active.clear()
         self._calls.clear()
+        self._last_output = None
+        self._watched = {}
         self._close_all()
 
     # -- forward --------------------------------------------------------------
@@ -266,13 +314,15 @@ class ModuleHooks:
             (arg,) = args
             if not _needs_wrap(arg):
                 return None
-            node: Any = arg.grad_fn
-            if type(node) is _PRE_BACKWARD_NODE and node.hooks is self:
-                node.closes.append(call)
+            last = self._last_output
+            if last is not None and last[0]() is arg:  # the previous call's only output: a chain
+                last[1].closes.append(call)
                 return None
-            return _wrap_tensors(_PostBackward, self, call, arg), kwargs
-        (args, kwargs), changed = _wrap(_PostBackward, self, call, (args, kwargs))
-        return (args, kwargs) if changed else None
+            return _wrap_tensors(self, _PostBackward, self, call, arg), kwargs
+        targets = [t for t in iter_tensors((args, kwargs)) if _needs_wrap(t)]
+        if not targets:
+            return None
+        return _replaced((args, kwargs), targets, _wrap_tensors(self, _PostBackward, self, call, *targets))
 
     def _post_forward(self, module: nn.Module, actions: HookActions, output: Any) -> Any:
         calls = self._calls.get(module)
@@ -282,10 +332,30 @@ class ModuleHooks:
         actions.post_forward(module, output)
         if not torch.is_grad_enabled():
             return None
-        if isinstance(output, torch.Tensor):
-            return _wrap_tensors(_PreBackward, self, call, output)[0] if _needs_wrap(output) else None
-        wrapped, changed = _wrap(_PreBackward, self, call, output)
-        return wrapped if changed else None
+        single = isinstance(output, torch.Tensor)
+        targets = ([output] if _needs_wrap(output) else []) if single else list(
+            {id(t): t for t in iter_tensors(output) if _needs_wrap(t)}.values())  # a tensor returned twice, once
+        if not targets:
+            return None
+        entry = _BackwardEntry(self, call)
+        through = []  # passed through _PreBackward (see the Note on outputs an inner call returned)
+        watched = self._watched
+        for t in targets:
+            node = t.grad_fn
+            seen = watched.get(id(t))
+            if node is None or (seen is not None and seen() is t):
+                through.append(t)
+            else:
+                node.register_prehook(entry)
+                watched[id(t)] = weakref.ref(t)
+        if len(watched) > _WATCHED_PRUNE_AT:  # forwards without a backward: forget the dead
+            self._watched = {k: r for k, r in watched.items() if r() is not None}
+        if not through:
+            if len(targets) == 1:  # what a chained call would take as its input
+                self._last_output = (weakref.ref(targets[0]), entry)
+            return None
+        wrapped = _wrap_tensors(self, _PreBackward, entry, *through)
+        return wrapped[0] if single else _replaced(output, through, wrapped)
 
     # -- backward -------------------------------------------------------------
     # A call is open from its pre-backward to its post-backward, then closed:
