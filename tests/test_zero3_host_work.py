@@ -91,15 +91,18 @@ def _counts(ctx: WorkerContext, name: str) -> dict[str, Any]:
 
 
 #: (workload, world) -> the last step's counts. The hooks: a pre- and post-forward per fetch unit (13 x 2 on the GPT,
-#: 12 x 2 on the Llama), the backward pre- and post-points (14, 21), and a gradient-ready hook per parameter that
-#: two units fetch (the GPT's tied embedding and head: 1); every other gradient goes over with its unit's
-#: post-backward (``zero3.training.grad_owners``). Functions: the backward points' autograd nodes. Torch hook calls:
-#: every module and tensor hook torch called, counted from outside the engine (``hook_calls_counted``): the units'
-#: forward pairs, the root's pair and its three other forward hooks (backward-once, uneven batches), the tied
-#: gradient's hook (GPT: 26 + 2 + 3 + 1; Llama: 24 + 2 + 3).
-_GPT = {"fetch_units": 13, "parameters": 100, "hooks": 41, "functions": 14, "torch_functions": 176,
+#: 12 x 2 on the Llama), a pre-backward per unit (a pre-hook on its output's node), one post-backward from the one
+#: call whose input is no chained unit's output (13 + 1, 12 + 1: ``z3kit.hooks``' Note on chains), and a
+#: gradient-ready hook per parameter that two units fetch (the GPT's tied embedding and head: 1); every other
+#: gradient goes over with its unit's post-backward (``zero3.training.grad_owners``). Functions: that one call's
+#: ``_PostBackward`` and the root's ``_PreBackward`` (it returns the head's output as it is). Torch hook calls:
+#: every module and tensor hook torch called, counted from outside the engine (``hook_calls_counted``; torch offers
+#: no way to wrap a node's pre-hooks from outside, which the engine's own ``hooks`` count): the units' forward
+#: pairs, the root's pair and its three other forward hooks (backward-once, uneven batches), the tied gradient's
+#: hook (GPT: 26 + 2 + 3 + 1; Llama: 24 + 2 + 3).
+_GPT = {"fetch_units": 13, "parameters": 100, "hooks": 41, "functions": 2, "torch_functions": 176,
         "torch_hook_calls": 32}
-_LLAMA = {"fetch_units": 12, "parameters": 75, "hooks": 45, "functions": 21, "torch_functions": 591,
+_LLAMA = {"fetch_units": 12, "parameters": 75, "hooks": 37, "functions": 2, "torch_functions": 591,
           "torch_hook_calls": 29}
 EXPECTED: dict[tuple[str, int], dict[str, int]] = {
     # one rank: none (a gather only points each parameter at its shard: z3kit.shard's Note at world 1)

@@ -61,8 +61,9 @@ Note: unused outputs.
     which optimizers treat differently (weight decay, momentum).
 
 Note: chains.
-    In a sequence of hooked modules each call's only input is usually the
-    previous call's output. The pre-hook on that output's node runs once
+    In a sequence of hooked modules each call's only input that needs a
+    gradient is usually the previous call's output (a decoder layer's
+    hidden states, beside masks and positions that need none). The pre-hook on that output's node runs once
     the gradient of that tensor is done, i.e. after the later call's
     backward ops, so it can mark the later call's input gradients done
     too, just before it fires its own pre-backward: the later call then
@@ -311,18 +312,20 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            (arg,) = args
-            if not _needs_wrap(arg):
-                return None
-            last = self._last_output
-            if last is not None and last[0]() is arg:  # the previous call's only output: a chain
-                last[1].closes.append(call)
-                return None
-            return _wrap_tensors(self, _PostBackward, self, call, arg), kwargs
-        targets = [t for t in iter_tensors((args, kwargs)) if _needs_wrap(t)]
+            targets = [args[0]] if _needs_wrap(args[0]) else []
+        else:
+            targets = list({id(t): t for t in iter_tensors((args, kwargs)) if _needs_wrap(t)}.values())
         if not targets:
             return None
-        return _replaced((args, kwargs), targets, _wrap_tensors(self, _PostBackward, self, call, *targets))
+        last = self._last_output
+        if len(targets) == 1 and last is not None and last[0]() is targets[0]:
+            # the only input that needs a gradient is the previous call's only output: a chain
+            last[1].closes.append(call)
+            return None
+        wrapped = _wrap_tensors(self, _PostBackward, self, call, *targets)
+        if not kwargs and len(args) == 1:
+            return wrapped, kwargs
+        return _replaced((args, kwargs), targets, wrapped)
 
     def _post_forward(self, module: nn.Module, actions: HookActions, output: Any) -> Any:
         calls = self._calls.get(module)
