@@ -690,3 +690,40 @@ def test_reset_after_failed_forward() -> None:
     assert hooks.finish_backward() == [] and rec.take() == []
     model[0](torch.randn(1, 2))
     assert hooks.active == []
+
+
+def test_forwards_without_a_backward_do_not_pile_up_watched_outputs() -> None:
+    model = nn.Linear(4, 4)
+    rec = Recorder()
+    rec.names[model] = "m"
+    hooks = ModuleHooks(rec.actions())
+    hooks.attach(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    kept = [model(x) for _ in range(3)]  # outputs still alive stay watched
+    for _ in range(3 * 4096):
+        model(x)  # each output dies at once
+    assert 3 <= hooks.watched_outputs <= 4096 + 1
+    rec.take()
+    sum(t.sum() for t in kept).backward()
+    assert rec.take() == [("pre_backward", "m"), ("post_backward", "m")] * 3  # each kept call, by its own node
+    assert hooks.finish_backward() == []
+
+
+def test_a_module_given_a_container_of_one_tensor_gets_its_wrapper() -> None:
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            out: torch.Tensor = self.lin(inputs["x"])
+            return out
+
+    model = Takes()
+    rec = Recorder()
+    rec.names[model] = "m"
+    hooks = ModuleHooks(rec.actions())
+    hooks.attach(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    model({"x": x}).sum().backward()
+    assert x.grad is not None and rec.take()[2:] == [("pre_backward", "m"), ("post_backward", "m")]

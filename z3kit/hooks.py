@@ -6,29 +6,23 @@ module forward hooks. The backward points hang on the autograd graph of
 each call:
 
 * pre-backward: a pre-hook on the autograd node that made each output
-  (``Node.register_prehook``) runs when the gradients of that node's
-  outputs arrive, i.e. before the module's own backward ops, and fires
-  *pre-backward* (once per call and backward pass: the first of the
-  call's nodes to run fires it);
-* post-backward: inputs pass through ``_PostBackward``, a
+  runs when the gradients of that node's outputs arrive, i.e. before the
+  module's own backward ops, and fires *pre-backward* (once per call and
+  backward pass: the first of the call's nodes to run fires it);
+* post-backward: inputs pass through ``PostBackward``, a
   ``torch.autograd.Function``: its backward runs once the gradients of all
   of the call's inputs are computed, i.e. after the module's backward ops,
   and marks the call done.
 
-Note: why pre-backward is a node pre-hook.
-    A pass-through ``autograd.Function`` on the outputs did the same job
-    for ~14 us per call (the Python ``apply``, a ``ctx``, a detached alias
-    per output, and a Python backward), a node pre-hook for ~3 us; and the
-    module's outputs stay the tensors it returned. An output with no node
-    (a leaf that requires grad, returned as is) has no node to hook: it
-    passes through ``_PreBackward``, the Function, as before.
+Both are ``z3kit.backward_points``' (with why pre-backward is a node
+pre-hook, and what its Functions do with outputs and unused gradients).
 
 Note: outputs an inner call returned.
     A module that returns a hooked child's output as it is (a container, a
     model returning its head's logits) must fire its pre-backward before
     the child's, as the outer call it is. Pre-hooks on one node run in the
     order they were added, the child's first; so such an output passes
-    through ``_PreBackward`` instead, whose node runs before the child's.
+    through ``PreBackward`` instead, whose node runs before the child's.
 
 Note: reference counting.
     A module called k times in one forward has k calls in flight in
@@ -41,34 +35,20 @@ Note: reference counting.
     graph was discarded by non-reentrant checkpointing) is never counted.
 
 Note: modules whose inputs need no gradient.
-    Their ``_PostBackward`` node never runs (nothing flows to it), so the
+    Their ``PostBackward`` node never runs (nothing flows to it), so the
     module would stay open. ``finish_backward()``, called from the
     end-of-backward callback, fires post-backward for every module still
     open, so everything is released by the end of backward at the latest.
 
-Note: why the Functions return detached tensors.
-    A custom Function returning an input as-is makes it a view, on which
-    autograd forbids in-place ops (an ``nn.ReLU(inplace=True)`` on a hooked
-    module's input). A detached alias is an ordinary output that shares the
-    version counter, so a bad in-place op is still caught.
-
-Note: unused outputs.
-    A Function's backward gets ``None``, not zeros, for a wrapped tensor that
-    received no gradient (``set_materialize_grads(False)``) and passes it on
-    as ``None``. Materialized zeros would flow into the branch that produced
-    the unused tensor, so a parameter used only there (or an input that the
-    module ignores) would get a zero ``.grad`` where it should have none,
-    which optimizers treat differently (weight decay, momentum).
-
 Note: chains.
     In a sequence of hooked modules each call's only input that needs a
     gradient is usually the previous call's output (a decoder layer's
-    hidden states, beside masks and positions that need none). The pre-hook on that output's node runs once
-    the gradient of that tensor is done, i.e. after the later call's
-    backward ops, so it can mark the later call's input gradients done
-    too, just before it fires its own pre-backward: the later call then
-    needs no ``_PostBackward`` node of its own, and a chain of hooked
-    modules adds no autograd node at all.
+    hidden states, beside masks and positions that need none). The
+    pre-hook on that output's node runs once the gradient of that tensor
+    is done, i.e. after the later call's backward ops, so it can mark the
+    later call's input gradients done too, just before it fires its own
+    pre-backward: the later call then needs no ``PostBackward`` node of
+    its own, and a chain of hooked modules adds no autograd node at all.
 
 Note: hook bodies run with torch-function dispatch disabled.
     Wrapping, gathering and releasing are bookkeeping: a runtime watching
@@ -102,14 +82,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from z3kit.hook_context import backward_pass_id, in_backward, outside_graphs
+from z3kit.backward_points import (
+    BackwardEntry, BackwardPoints, PostBackward, PreBackward, needs_backward_point, replaced, through,
+)
+from z3kit.hook_context import in_backward, outside_graphs
 from z3kit.host_work import HostWork
-from z3kit.nested import iter_tensors, map_tensors
-
-def _needs_wrap(t: torch.Tensor) -> bool:
-    # ``type(t) is torch.Tensor`` first: nn.Parameter's isinstance check runs
-    # Python code, and plain tensors are the common case
-    return t.requires_grad and (type(t) is torch.Tensor or not isinstance(t, nn.Parameter))
+from z3kit.nested import iter_tensors
 
 
 @attrs.frozen
@@ -140,77 +118,6 @@ class _Call:
 _WATCHED_PRUNE_AT = 4096
 
 
-class _BackwardEntry:
-    """A call's way into backward: fires its pre-backward (after marking the
-    chained calls' post-backward, see the Note on chains) the first time any
-    of its output nodes runs in a backward pass. Called as a node pre-hook
-    (with the node's output gradients, left as they are) and from
-    ``_PreBackward`` (for outputs without a node)."""
-
-    __slots__ = ("hooks", "call", "closes", "_pass")
-
-    def __init__(self, hooks: ModuleHooks, call: _Call) -> None:
-        self.hooks, self.call = hooks, call
-        #: later calls whose post-backward this entry also marks (see the Note on chains)
-        self.closes: list[_Call] = []
-        self._pass = -1  # the backward pass that last fired it
-
-    def __call__(self, *grads: Any) -> None:
-        hooks = self.hooks
-        hooks.work.hooks += 1
-        now = backward_pass_id()
-        if now == self._pass:  # another output node of the same call, in the same pass
-            return None
-        self._pass = now
-        for later in reversed(self.closes):  # the innermost, latest call first
-            hooks._post_backward(later)
-        hooks._pre_backward(self.call)
-        return None
-
-
-class _PreBackward(torch.autograd.Function):
-    """Outputs without an autograd node (leaves that require grad, returned as they are) pass
-    through it: its backward is their pre-hook (see the Note on why pre-backward is a node pre-hook)."""
-
-    @staticmethod
-    def forward(ctx: Any, entry: _BackwardEntry, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.entry = entry
-        ctx.set_materialize_grads(False)  # see the Note on unused outputs
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.entry()
-        return (None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, hooks: ModuleHooks, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hooks, ctx.call = hooks, call
-        ctx.set_materialize_grads(False)  # see the Note on unused outputs
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.hooks.work.hooks += 1
-        ctx.hooks._post_backward(ctx.call)
-        return (None, None, *grads)
-
-
-def _wrap_tensors(hooks: ModuleHooks, fn: type[torch.autograd.Function], *args: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors among ``args`` (after the Function's own arguments) passed through one ``fn`` node."""
-    hooks.work.functions += 1
-    wrapped: tuple[torch.Tensor, ...] = fn.apply(*args)
-    return wrapped
-
-
-def _replaced(obj: Any, targets: list[torch.Tensor], wrapped: tuple[torch.Tensor, ...]) -> Any:
-    """``obj`` with each of ``targets`` replaced by its counterpart in ``wrapped``."""
-    by_id = {id(t): w for t, w in zip(targets, wrapped)}
-    return map_tensors(lambda t: by_id.get(id(t), t), obj)
-
-
 class ModuleHooks:
     """Fires lifecycle actions for the modules attached to it.
 
@@ -230,11 +137,14 @@ class ModuleHooks:
         self._actions: dict[nn.Module, HookActions] = {}
         self._calls: dict[nn.Module, list[_Call]] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
+        #: what the backward points of every call fire (``z3kit.backward_points``)
+        self._points = BackwardPoints(opened=self._pre_backward, closed=self._post_backward, work=self.work)
         #: outputs whose node carries an entry since the last reset, by id (see the Note on outputs
         #: an inner call returned)
         self._watched: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._prune_at = _WATCHED_PRUNE_AT
         #: the last call's only output (a weak reference) and its entry: a call taking it is chained
-        self._last_output: tuple[weakref.ref[torch.Tensor], _BackwardEntry] | None = None
+        self._last_output: tuple[weakref.ref[torch.Tensor], BackwardEntry] | None = None
 
     def attach(self, module: nn.Module, actions: HookActions | None = None) -> None:
         if not isinstance(module, nn.Module):
@@ -285,6 +195,12 @@ class ModuleHooks:
     def modules(self) -> list[nn.Module]:
         return list(self._handles)
 
+    @property
+    def watched_outputs(self) -> int:
+        """Outputs remembered as carrying a pre-hook of these hooks since the last reset (see the
+        Note on outputs an inner call returned): those alive, and dead ones not yet forgotten."""
+        return len(self._watched)
+
     def innermost(self) -> nn.Module | None:
         """The innermost hooked module whose forward is running, if any."""
         return self.active[-1] if self.active else None
@@ -311,10 +227,11 @@ class ModuleHooks:
         self._calls.setdefault(module, []).append(call)
         if not torch.is_grad_enabled():
             return None
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            targets = [args[0]] if _needs_wrap(args[0]) else []
+        single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
+        if single:
+            targets = [args[0]] if needs_backward_point(args[0]) else []
         else:
-            targets = list({id(t): t for t in iter_tensors((args, kwargs)) if _needs_wrap(t)}.values())
+            targets = list({id(t): t for t in iter_tensors((args, kwargs)) if needs_backward_point(t)}.values())
         if not targets:
             return None
         last = self._last_output
@@ -322,10 +239,10 @@ class ModuleHooks:
             # the only input that needs a gradient is the previous call's only output: a chain
             last[1].closes.append(call)
             return None
-        wrapped = _wrap_tensors(self, _PostBackward, self, call, *targets)
-        if not kwargs and len(args) == 1:
+        wrapped = through(self.work, PostBackward, self._points, call, *targets)
+        if single:
             return wrapped, kwargs
-        return _replaced((args, kwargs), targets, wrapped)
+        return replaced((args, kwargs), targets, wrapped)
 
     def _post_forward(self, module: nn.Module, actions: HookActions, output: Any) -> Any:
         calls = self._calls.get(module)
@@ -336,29 +253,30 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         single = isinstance(output, torch.Tensor)
-        targets = ([output] if _needs_wrap(output) else []) if single else list(
-            {id(t): t for t in iter_tensors(output) if _needs_wrap(t)}.values())  # a tensor returned twice, once
+        targets = ([output] if needs_backward_point(output) else []) if single else list(
+            {id(t): t for t in iter_tensors(output) if needs_backward_point(t)}.values())  # a tensor returned twice, once
         if not targets:
             return None
-        entry = _BackwardEntry(self, call)
-        through = []  # passed through _PreBackward (see the Note on outputs an inner call returned)
+        entry = BackwardEntry(self._points, call)
+        passed = []  # through PreBackward (see the Note on outputs an inner call returned)
         watched = self._watched
         for t in targets:
             node = t.grad_fn
             seen = watched.get(id(t))
             if node is None or (seen is not None and seen() is t):
-                through.append(t)
+                passed.append(t)
             else:
                 node.register_prehook(entry)
                 watched[id(t)] = weakref.ref(t)
-        if len(watched) > _WATCHED_PRUNE_AT:  # forwards without a backward: forget the dead
+        if len(watched) > self._prune_at:  # forwards without a backward: forget the dead
             self._watched = {k: r for k, r in watched.items() if r() is not None}
-        if not through:
+            self._prune_at = max(_WATCHED_PRUNE_AT, 2 * len(self._watched))
+        if not passed:
             if len(targets) == 1:  # what a chained call would take as its input
                 self._last_output = (weakref.ref(targets[0]), entry)
             return None
-        wrapped = _wrap_tensors(self, _PreBackward, entry, *through)
-        return wrapped[0] if single else _replaced(output, through, wrapped)
+        wrapped = through(self.work, PreBackward, entry, *passed)
+        return wrapped[0] if single else replaced(output, passed, wrapped)
 
     # -- backward -------------------------------------------------------------
     # A call is open from its pre-backward to its post-backward, then closed:

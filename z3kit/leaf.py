@@ -15,7 +15,7 @@ the optimizer (a parameter that no rank used is skipped by it, as DDP
 leaves its ``.grad`` None).
 
 Note: why the gradients are complete at that point.
-    The callback runs from the ``_PostBackward`` node on the unit's inputs
+    The callback runs from the ``PostBackward`` node on the unit's inputs
     (see ``z3kit.hooks``), after every backward op inside the unit. The
     autograd engine runs ``AccumulateGrad`` nodes as soon as they are ready
     (they have the highest priority), so a parameter used only inside the
