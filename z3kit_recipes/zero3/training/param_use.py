@@ -23,6 +23,8 @@ from z3kit.hooks import ModuleHooks
 from z3kit_recipes.zero3.training.params import ParamCoordinator
 
 
+_is_compiling = torch.compiler.is_compiling
+
 #: reads whose answer does not depend on a parameter being gathered: not a use
 _METADATA_READS = frozenset(
     getattr(torch.Tensor, name).__get__
@@ -43,19 +45,19 @@ class ParamUseMode(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # traced by torch.compile: not watched (see zero3.compile.compiled)
+        if _is_compiling():  # traced by torch.compile: not watched (see zero3.compile.compiled)
             return func(*args, **kwargs)
         self.hooks.work.torch_functions += 1
         if func in _METADATA_READS:
             return func(*args, **kwargs)
-        index, user = self.coordinator.index, self.hooks.innermost()
-        for arg in (*args, *kwargs.values()):
+        index = self.coordinator.index
+        for arg in (*args, *kwargs.values()) if kwargs else args:
             pid = index.get(id(arg))
             if pid is not None:
-                self.coordinator.on_param_use(pid, user)
+                self.coordinator.on_param_use(pid, self.hooks.innermost())
             elif type(arg) is list or type(arg) is tuple:
                 for item in arg:
                     pid = index.get(id(item))
                     if pid is not None:
-                        self.coordinator.on_param_use(pid, user)
+                        self.coordinator.on_param_use(pid, self.hooks.innermost())
         return func(*args, **kwargs)

@@ -34,7 +34,7 @@ from z3kit_recipes.zero3.training.gathers import Gatherer
 from z3kit_recipes.zero3.training.holds import Holds
 from z3kit_recipes.zero3.training.rounds import FetchRounds
 from z3kit_recipes.zero3.training.step_plans import StepPlans
-from z3kit_recipes.zero3.training.timeline import Timeline, profiled
+from z3kit_recipes.zero3.training.timeline import Timeline, profiled_as
 from z3kit_recipes.zero3.training.traced_step import TracedStep
 
 
@@ -201,9 +201,9 @@ class ParamCoordinator:
             self.plans.fetched_off_trace(module)
 
     def _gather_and_hold(self, module: nn.Module) -> None:
-        pids = self.module_params[module]
+        pids = self.units.module_params[module]
         live_before = self.limiter.live_numel
-        with profiled("z3kit.fetch", self.units.name(module)):
+        with profiled_as("z3kit.fetch", self.units.name, module):
             self._ensure_gathered(pids)
         self._note("fetch", module, self.limiter.live_numel - live_before)
         self.holds.hold(module, pids)
@@ -225,9 +225,11 @@ class ParamCoordinator:
         free what the plan releases here, or, off the plan, the module's own
         (``keep``: never these, e.g. returned ones; never one that is
         persistent, or that a module in flight or a pin holds)."""
-        pids = self.module_params[module]
+        pids = self.units.module_params[module]
         self.holds.let_go(module, pids)
         planned = self.plans.at_exit(module, self.traced.fetch_index(module), keep) if self.step.tracing else None
+        if planned == ():  # the plan releases nothing here
+            return
         persistent, shards, held = self.persistent, self.shards, self.holds.held
         chosen = [
             p
@@ -239,7 +241,7 @@ class ParamCoordinator:
         ]
         if not chosen:
             return
-        with profiled("z3kit.release", self.units.name(module)):
+        with profiled_as("z3kit.release", self.units.name, module):
             freed = self.gatherer.free(chosen)
         self._note("release", module, freed)
 
