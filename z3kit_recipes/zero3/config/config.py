@@ -75,7 +75,8 @@ class Zero3Config:
     compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
     #: fp16 loss scaling, DeepSpeed's ``fp16`` keys (``zero3.config.loss_scale``); only with compute_dtype "fp16"
     loss_scaling: LossScaleConfig = attrs.field(factory=LossScaleConfig)
-    #: reduce-scatter the gradient buckets (None: on nccl/hccl yes, on gloo no, where it is an all-reduce anyway)
+    #: reduce-scatter the gradient buckets (None: yes; on gloo an all-to-all, ``z3kit.collectives``); False:
+    #: all-reduce them and keep this rank's slices
     reduce_scatter: bool | None = attrs.field(default=None)
     #: DeepSpeed's ``stage3_module_granularity_threshold``: above 0, the fetch units are the outermost
     #: modules whose elements per module with parameters are at most this (``zero3.training.unit_rule``)
