@@ -223,6 +223,7 @@ def reduce_scatter(
         )
     if log is not None:
         log.record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size(), group)
+    then: Callable[[], None] | None
     if world > 1 and dist.get_backend(group) == "gloo":
         work, then = _reduce_scatter_by_all_to_all(output, input, group, world, scale, async_op)
     else:

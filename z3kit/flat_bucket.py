@@ -5,14 +5,14 @@ collective reduces many of them. Two layouts, one per reduction path:
 
 * ``ReduceMode.ALL_REDUCE``: parameter-major. Each gradient takes its padded
   length ``world * shard_numel`` contiguously; after the all-reduce this
-  rank's partition is the ``rank``-th chunk of that slice. Cheapest on gloo,
-  which emulates reduce-scatter with an all-reduce anyway.
+  rank's partition is the ``rank``-th chunk of that slice.
 * ``ReduceMode.REDUCE_SCATTER``: rank-major. The buffer is viewed as
   ``(world, capacity // world)``; a gradient's padded form, viewed as
   ``(world, shard_numel)``, fills columns ``[col, col + shard_numel)``. Rank
   ``r``'s row is then exactly its partitions back to back, so one
   reduce-scatter leaves every partition of the bucket on its rank. Half the
-  traffic of an all-reduce on NCCL and HCCL.
+  traffic of an all-reduce (on gloo too, where ``z3kit.collectives`` runs
+  it as an all-to-all).
 
 Padding is zero-filled on every add, so partitions of parameters whose size
 is not a multiple of the world size end in zeros.

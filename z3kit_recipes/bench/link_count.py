@@ -45,6 +45,8 @@ C10D_OPS: Final[dict[str, tuple[str, int]]] = {
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    # z3kit's reduce-scatter on gloo (``z3kit.collectives``): one chunk from each peer, as a reduce-scatter
+    "alltoall_base_": ("reduce_scatter", 1),
     "allreduce_": ("all_reduce", 0),
     "allreduce_coalesced_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
