@@ -232,7 +232,7 @@ def test_collectives_per_step_fixed_after_trace(pools: Any) -> None:
         assert len(seen) == 8
         steady = seen[2:]  # after steps 3..8
         assert all(c == steady[0] for c in steady), steady
-        assert steady[0]["all_gather"]["calls"] > 0 and steady[0]["reduce_scatter"]["calls"] > 0
+        assert steady[0]["all_gather"]["calls"] > 0 and steady[0]["all_reduce"]["calls"] > 0
 
 
 # --------------------------------------------------------------------------- #

@@ -80,18 +80,18 @@ def test_hpz_trains_bitwise_as_flat_zero3_and_backward_gathers_stay_in_the_node(
         for other in (hpz, offloaded):
             assert other["losses"] == flat["losses"]
             assert all(torch.equal(flat["params"][k], other["params"][k]) for k in flat["params"])
-        gather, reduce = CollectiveKind.ALL_GATHER.value, CollectiveKind.REDUCE_SCATTER.value
+        gather, reduce = CollectiveKind.ALL_GATHER.value, CollectiveKind.ALL_REDUCE.value
         for f, h in zip(flat["backwards"], hpz["backwards"]):
             gathered, reduced = f[gather], f[reduce]
-            assert gathered > 0 and reduced > 0 and f[CollectiveKind.ALL_REDUCE.value] == 0  # buckets reduce-scatter
+            assert gathered > 0 and f[CollectiveKind.REDUCE_SCATTER.value] == 0  # gloo reduces by all-reduce
             assert h[reduce] == reduced
             # every backward gather collects the node's 2 slices (each rank gives 1/2 of the
             # parameter, the log's bytes) instead of the 4 shards (1/4 each)
             assert h[gather] == 2 * gathered
-            # 4 ranks, 2 per node: a reduce-scatter of t bytes brings t/2 across nodes (2 remote peers x t/4);
+            # 4 ranks, 2 per node: an all-reduce of t bytes brings t across nodes (2 remote peers x 2t/4);
             # flat: each gather of a shard of c bytes brings 2c (from the 2 ranks on the other node)
-            assert f["inter_node"] == reduced // 2 + 2 * gathered
-            assert h["inter_node"] == reduced // 2  # hpZ: backward's gathers bring nothing across nodes
+            assert f["inter_node"] == reduced + 2 * gathered
+            assert h["inter_node"] == reduced  # hpZ: backward's gathers bring nothing across nodes
         # a slice of 1/2 of every parameter (all gathered in training forwards), in the compute dtype
         assert hpz["memory"]["hpz_secondary"] == hpz["padded"] // 2
         assert flat["memory"].get("hpz_secondary", 0) == 0

@@ -114,8 +114,8 @@ def test_fp32_parity_with_clipping_and_accumulation(pools: Any) -> None:
 
 
 def test_bf16_parity_from_a_device_mesh(pools: Any) -> None:
-    """Through reduce-scatter buckets (the default; the fp32 case above takes the same path)."""
-    config = {**SHARDED, "compute_dtype": "bf16"}
+    """Through reduce-scatter buckets (gloo's default is all-reduce: the fp32 case takes that path)."""
+    config = {**SHARDED, "compute_dtype": "bf16", "reduce_scatter": True}
     results = pools.run(4, run_pair, Case("gpt_hf", config, optimizer="adamw", steps=4), "mesh")
     for r in results:
         got = torch.tensor(r.engine_losses, dtype=torch.float64)
@@ -140,7 +140,7 @@ def test_huggingface_model_from_a_deepspeed_json(pools: Any) -> None:
         # into lr-sized steps on elements whose gradient is almost 0: flat ZeRO-3 at world 4
         # differs from DDP by 3.5e-6 on this model too
         assert_params_match(r.engine_params, r.ddp_params, atol=1e-5)
-        assert r.extra["reduction"] == ("reduce_scatter", 0)  # no buckets: every gradient on its own
+        assert r.extra["reduction"] == ("all_reduce", 0)  # no buckets: every gradient on its own
     assert_hsdp_layout(results)
 
 

@@ -75,8 +75,9 @@ class Zero3Config:
     compute_dtype: str = attrs.field(default="fp32", converter=_dtype_name)
     #: fp16 loss scaling, DeepSpeed's ``fp16`` keys (``zero3.config.loss_scale``); only with compute_dtype "fp16"
     loss_scaling: LossScaleConfig = attrs.field(factory=LossScaleConfig)
-    #: reduce-scatter the gradient buckets (None: yes; on gloo an all-to-all, ``z3kit.collectives``); False:
-    #: all-reduce them and keep this rank's slices
+    #: reduce-scatter the gradient buckets, else all-reduce them and keep this rank's slices (None: on nccl
+    #: and hccl yes; on gloo no: its reduce-scatter, an all-to-all there (``z3kit.collectives``), holds a
+    #: second buffer of the bucket's size while it runs, and was not steadily faster end to end)
     reduce_scatter: bool | None = attrs.field(default=None)
     #: DeepSpeed's ``stage3_module_granularity_threshold``: above 0, the fetch units are the outermost
     #: modules whose elements per module with parameters are at most this (``zero3.training.unit_rule``)

@@ -318,7 +318,9 @@ def _build_reducer(
 ) -> GradReducer | None:
     if not layout.trainable:
         return None
-    reduce_scatter = True if config.reduce_scatter is None else config.reduce_scatter  # on gloo an all-to-all
+    reduce_scatter = config.reduce_scatter
+    if reduce_scatter is None:  # see Zero3Config.reduce_scatter
+        reduce_scatter = dist.get_backend(topology.shard_group) != "gloo"
     # the mean over every rank's micro-batches, as DDP's, replicas included
     world = dist.get_world_size(topology.world_group)
     one_rank = dist.get_world_size(topology.shard_group) == 1 and topology.replicate_group is None
