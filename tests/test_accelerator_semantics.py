@@ -167,19 +167,26 @@ def test_is_completed_polls_without_blocking(pools: Any) -> None:
     assert late["after"] is True
 
 
+def _all_reduce_with_rank_1_late(ctx: Any, numel: int) -> tuple[torch.Tensor, Any, float]:
+    """An all-reduce of ``numel`` elements that rank 1 issues 1 s late, waited on: the
+    tensor, the work and when the wait began (call it under ``DOUBLE.observing()``)."""
+    group = _group(ctx)
+    if ctx.rank == 1:
+        time.sleep(1.0)
+    t = torch.full((numel,), float(ctx.rank + 1))
+    work = dist.all_reduce(t, group=group, async_op=True)
+    start = time.monotonic()
+    work.wait()
+    return t, work, start
+
+
 def run_wait_while_peer_is_late(ctx: Any) -> dict[str, Any]:
     """Rank 1 issues its side 1 s late: rank 0's ``wait()`` must return at
     once (NCCL's only orders), the work stays uncompleted, and the first
     host operation on the output waits for the data, which is right."""
-    group = _group(ctx)
     out: dict[str, Any] = {}
     with DOUBLE.observing():
-        if ctx.rank == 1:
-            time.sleep(1.0)
-        t = torch.full((4,), float(ctx.rank + 1))
-        work = dist.all_reduce(t, group=group, async_op=True)
-        start = time.monotonic()
-        work.wait()
+        t, work, start = _all_reduce_with_rank_1_late(ctx, 4)
         out["wait_s"] = time.monotonic() - start
         out["completed_after_wait"] = work.is_completed()
         doubled = t * 2  # a host read through torch: waits for the data to land
@@ -205,15 +212,9 @@ def run_free_while_peer_is_late(ctx: Any) -> dict[str, Any]:
     after ``wait()``. On a device the free is ordered on the compute stream,
     after its wait on the collective; here it must wait for the data to land,
     or the collective would write into freed memory."""
-    group = _group(ctx)
     out: dict[str, Any] = {}
     with DOUBLE.observing():
-        if ctx.rank == 1:
-            time.sleep(1.0)
-        t = torch.full((4096,), float(ctx.rank + 1))
-        work = dist.all_reduce(t, group=group, async_op=True)
-        start = time.monotonic()
-        work.wait()
+        t, _, start = _all_reduce_with_rank_1_late(ctx, 4096)
         t.untyped_storage().resize_(0)
         out["free_s"] = time.monotonic() - start
         out["violations"] = list(DOUBLE.violations)

@@ -47,6 +47,15 @@ class Recorder:
         return out
 
 
+def hook_one(model: nn.Module) -> tuple[Recorder, ModuleHooks]:
+    """``model`` alone hooked, recorded as "m"."""
+    rec = Recorder()
+    rec.names[model] = "m"
+    hooks = ModuleHooks(rec.actions())
+    hooks.attach(model)
+    return rec, hooks
+
+
 def hook_all(model: nn.Module, rec: Recorder) -> ModuleHooks:
     hooks = ModuleHooks(rec.actions())
     for module in model.modules():
@@ -234,10 +243,7 @@ def test_interleaved_calls_post_backward_once_after_all() -> None:
     torch.manual_seed(0)
     model = SelfCalling()
     reference = copy.deepcopy(model)  # before attaching: a deep copy keeps hooks
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
     y = model(x, 2)
@@ -343,10 +349,7 @@ def test_output_containers_preserved(kind: str) -> None:
     torch.manual_seed(0)
     model = Returns(kind)
     reference = copy.deepcopy(model)
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     out = model(x)
     expected = reference(x.detach().clone().requires_grad_())
@@ -379,10 +382,7 @@ def test_hugging_face_model_output() -> None:
             return BaseModelOutput(last_hidden_state=h, hidden_states=(x, h))
 
     model = HF()
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     out = model(x)
     assert type(out) is BaseModelOutput
@@ -504,10 +504,7 @@ def test_no_grad_fires_forward_points_only() -> None:
             return self.lin(x)
 
     model = Seeing()
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     with torch.no_grad():
         y = model(x)
@@ -694,10 +691,7 @@ def test_reset_after_failed_forward() -> None:
 
 def test_forwards_without_a_backward_do_not_pile_up_watched_outputs() -> None:
     model = nn.Linear(4, 4)
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     kept = [model(x) for _ in range(3)]  # outputs still alive stay watched
     for _ in range(3 * 4096):
@@ -720,10 +714,7 @@ def test_a_module_given_a_container_of_one_tensor_gets_its_wrapper() -> None:
             return out
 
     model = Takes()
-    rec = Recorder()
-    rec.names[model] = "m"
-    hooks = ModuleHooks(rec.actions())
-    hooks.attach(model)
+    rec, hooks = hook_one(model)
     x = torch.randn(2, 4, requires_grad=True)
     model({"x": x}).sum().backward()
     assert x.grad is not None and rec.take()[2:] == [("pre_backward", "m"), ("post_backward", "m")]
