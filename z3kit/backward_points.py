@@ -40,15 +40,23 @@ from torch import nn
 
 from z3kit.hook_context import backward_pass_id
 from z3kit.host_work import HostWork
-from z3kit.nested import map_tensors
+from z3kit.nested import iter_tensors, map_tensors
 
 
-def needs_backward_point(t: torch.Tensor) -> bool:
+def _needs_point(t: torch.Tensor) -> bool:
     """``t`` gets backward points: it requires grad and is no ``nn.Parameter`` (a consumer sees
     a parameter itself)."""
     # ``type(t) is torch.Tensor`` first: nn.Parameter's isinstance check runs
     # Python code, and plain tensors are the common case
     return t.requires_grad and (type(t) is torch.Tensor or not isinstance(t, nn.Parameter))
+
+
+def needing_points(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` (a tensor, or any nesting of containers) that get backward
+    points, each once however often ``obj`` holds it."""
+    if isinstance(obj, torch.Tensor):  # the common case, without the walk
+        return [obj] if _needs_point(obj) else []
+    return list({id(t): t for t in iter_tensors(obj) if _needs_point(t)}.values())
 
 
 @attrs.frozen

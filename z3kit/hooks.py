@@ -83,11 +83,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from z3kit.backward_points import (
-    BackwardEntry, BackwardPoints, PostBackward, PreBackward, needs_backward_point, replaced, through,
+    BackwardEntry, BackwardPoints, PostBackward, PreBackward, needing_points, replaced, through,
 )
 from z3kit.hook_context import in_backward, outside_graphs
 from z3kit.host_work import HostWork
-from z3kit.nested import iter_tensors
 
 
 @attrs.frozen
@@ -228,10 +227,7 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
-        if single:
-            targets = [args[0]] if needs_backward_point(args[0]) else []
-        else:
-            targets = list({id(t): t for t in iter_tensors((args, kwargs)) if needs_backward_point(t)}.values())
+        targets = needing_points(args[0] if single else (args, kwargs))
         if not targets:
             return None
         last = self._last_output
@@ -253,8 +249,7 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         single = isinstance(output, torch.Tensor)
-        targets = ([output] if needs_backward_point(output) else []) if single else list(
-            {id(t): t for t in iter_tensors(output) if needs_backward_point(t)}.values())  # a tensor returned twice, once
+        targets = needing_points(output)
         if not targets:
             return None
         entry = BackwardEntry(self._points, call)

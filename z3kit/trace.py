@@ -142,13 +142,6 @@ class TraceRecorder:
             self.invalidate()
         return False
 
-    def expects(self, module_id: int, param_ids: Sequence[int], numels: Sequence[int]) -> bool:
-        """Whether this fetch would match a complete trace (the trace is left alone)."""
-        if self.state is not TraceState.COMPLETE or not self._in_step or self._cursor >= len(self._fetches):
-            return False
-        ahead = self._fetches[self._cursor]
-        return ahead.module_id == module_id and ahead.param_ids == tuple(param_ids) and ahead.numels == tuple(numels)
-
     def next_module(self) -> int | None:
         """The module id the complete trace expects next, None past its end."""
         if self.state is not TraceState.COMPLETE or self._cursor >= len(self._fetches):
