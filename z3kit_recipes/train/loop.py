@@ -165,6 +165,7 @@ def train_steps(
             if step + 1 == profile_at:
                 profiler = start_profiler(device)
             elif profiler is not None and step + 1 == profile_end:
+                engine.synchronize()  # nothing of the engine's in flight when the profiler stops (its docstring)
                 stop_profiler(profiler, out / f"trace_rank{rank}.json")
                 profiler = None
             engine.step()

@@ -294,6 +294,7 @@ class EngineCore:
         after it stopped can crash the process."""
         self.settle()
         self.coordinator.gatherer.wait_inflight()
+        self.parts.backward.complete_checks()  # issued by the last backward, read by the next one
         self.parts.gather_streams.synchronize()
         self.parts.reduce_streams.synchronize()
 

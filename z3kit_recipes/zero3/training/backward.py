@@ -171,6 +171,11 @@ class BackwardPass:
         if self.checks is not None:
             self.checks.settle()
 
+    def complete_checks(self) -> None:
+        """Let the step checks' collectives in flight finish, reading nothing (``StepChecks.complete``)."""
+        if self.checks is not None:
+            self.checks.complete()
+
     def before_step(self) -> None:
         """The optimizer step is next: what got a gradient in the window is settled (``zero3.training.step_checks``)."""
         if self.checks is not None:

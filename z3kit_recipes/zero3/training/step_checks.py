@@ -125,6 +125,12 @@ class StepChecks:
         self._in_flight = []
         self._apply(read)
 
+    def complete(self) -> None:
+        """Let the collectives of the checks in flight finish, reading nothing (``engine.synchronize``:
+        a gloo work still running when a torch profiler stops can crash the process)."""
+        for check, _ in self._in_flight:
+            self.watch.wait(check.pending.is_completed, check.pending.wait)
+
     def before_step(self) -> None:
         """Mark what got a gradient in the window's last backward, reading
         its check only where this rank cannot tell (see the Note)."""
