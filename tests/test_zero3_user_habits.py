@@ -125,6 +125,66 @@ def test_zero_grad_at_the_boundary_discards(pools: PoolSet) -> None:
         assert not r["changed"] and r["grads"] == [None] * len(r["grads"])
 
 
+def _clear(model: torch.nn.Module, which: str) -> None:
+    if which == "model":
+        model.zero_grad()  # set_to_none=True
+    else:  # one layer's, by hand
+        for p in model.layers[0].parameters():  # type: ignore[index, union-attr]
+            p.grad = None
+
+
+def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: bool) -> dict[str, Any]:
+    """Gradients set to None before step() (a bad batch dropped) are gone, as under DDP;
+    cleared after a step() call they stay (the loop above)."""
+    config = {**SHARDED, "gradient_accumulation_steps": 2, **({"mics_shard_size": 2} if hsdp else {})}
+    case = Case("mlp", config, accumulation=2)
+    engine, ref, model = build_pair(ctx, case)
+    for step in range(3):
+        for micro in range(2):
+            b = vec_batch(ctx.rank, step, micro, 0)
+            engine.backward(vec_loss(model, b, step))
+            ref.micro_step([b], step, micro)
+            if micro == micro_to_clear and step != 1:
+                _clear(model, which)
+                _clear(ref.model, which)
+            engine.step()
+        ref.step()
+    return {"params": engine.full_state_dict(), "ref": ref.params()}
+
+
+@pytest.mark.parametrize("world,which,micro_to_clear,hsdp", [
+    (2, "model", 0, False), (2, "layer", 0, False), (2, "model", 1, False), (2, "layer", 1, False),
+    (1, "layer", 0, False), (4, "layer", 0, True),
+])
+def test_gradients_set_to_none_before_step_are_discarded_as_under_ddp(
+    pools: PoolSet, world: int, which: str, micro_to_clear: int, hsdp: bool
+) -> None:
+    for r in pools.run(world, _discard_worker, which, micro_to_clear, hsdp):
+        for name, want in r["ref"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6)
+
+
+def _discard_on_one_rank_worker(ctx: WorkerContext) -> str | None:
+    from z3kit_recipes.zero3 import RanksDisagree
+
+    case = Case("mlp", {**SHARDED, "gradient_accumulation_steps": 2}, accumulation=2)
+    engine, _, model = build_pair(ctx, case)
+    try:
+        for micro in range(2):
+            engine.backward(vec_loss(model, vec_batch(ctx.rank, 0, micro, 0), 0))
+            if micro == 0 and ctx.rank == 0:
+                model.zero_grad()
+            engine.step()
+    except RanksDisagree as exc:
+        return str(exc)
+    return None
+
+
+def test_gradients_set_to_none_on_one_rank_only_is_named_on_every_rank(pools: PoolSet) -> None:
+    for message in pools.run(2, _discard_on_one_rank_worker):
+        assert message is not None and "zero_grad" in message and "rank 0: gradients set to None" in message, message
+
+
 # -- the model's own state_dict and load_state_dict --------------------------------------------------
 def _state_dict_worker(ctx: WorkerContext) -> dict[str, Any]:
     from z3kit.withheld import ValueWithheld

@@ -63,6 +63,10 @@ LATE = 2
 HANDED = 4
 
 
+#: how ``StepRecord.note_discarded`` names gradients set to None among the fetches
+DISCARDED = "gradients set to None by zero_grad()"
+
+
 class RanksDisagree(RuntimeError):
     """The ranks are not running the same training step; raised on every rank."""
 
@@ -74,6 +78,12 @@ class StepRecord:
     #: (module name, elements) of every fetch, in order
     fetches: list[tuple[str, int]] = attrs.field(factory=list)
     gathers: int = 0
+
+    def note_discarded(self, names: Sequence[str]) -> None:
+        """The user's code set these parameters' gradients to None before this step's
+        passes: compared with the fetches, so that ranks that cleared different ones disagree."""
+        digest = hashlib.blake2b(repr(list(names)).encode(), digest_size=4).digest()
+        self.fetches.append((f"{DISCARDED} ({len(names)} parameters)", int.from_bytes(digest, "little")))
 
     def fingerprint(self) -> int:
         # not hash(): string hashes differ between processes
@@ -182,6 +192,15 @@ class StepCheck:
         return self._outcome
 
 
+def _what_rank_did(rank: int, log: list[tuple[str, int]], index: int) -> str:
+    if index >= len(log):
+        return f"rank {rank} had no fetch #{index} (its step had {len(log)})"
+    name, elements = log[index]
+    if name.startswith(DISCARDED):  # its number is a digest of the names, not a size
+        return f"rank {rank}: {name}"
+    return f"rank {rank} fetched {name!r} ({elements:,} elements)"
+
+
 def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], mine: list[tuple[str, int]]) -> None:
     """Every rank learns every rank's fetches and raises the same message."""
     world = dist.get_world_size(group)
@@ -194,13 +213,15 @@ def _raise_disagreement(group: ProcessGroup, headers: list[list[int]], mine: lis
     first = next((i for i in range(max(map(len, logs))) if len({tuple(log[i]) if i < len(log) else None
                                                               for log in logs}) > 1), None)
     if first is not None:
-        did = [f"rank {r} fetched {log[first][0]!r} ({log[first][1]:,} elements)" if first < len(log)
-               else f"rank {r} had no fetch #{first} (its step had {len(log)})" for r, log in enumerate(logs)]
+        did = [_what_rank_did(r, log, first) for r, log in enumerate(logs)]
         lines.append(f"first difference at fetch #{first} of the step: " + "; ".join(did))
     else:
         lines.append("they fetched the same modules; gathers issued: "
                      + ", ".join(f"rank {r} {h[2]}" for r, h in enumerate(headers)))
-    if len(steps) > 1:
+    if first is not None and any(first < len(log) and log[first][0].startswith(DISCARDED) for log in logs):
+        lines.append("some ranks set gradients to None (model.zero_grad(), optimizer.zero_grad()) that others "
+                     "kept: every rank must clear the same gradients between the same passes")
+    elif len(steps) > 1:
         lines.append("a rank skipped a micro-step, or ran one more: every rank must run the same number of "
                      "forward/backward passes between optimizer steps")
     else:

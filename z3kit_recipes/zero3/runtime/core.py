@@ -103,7 +103,7 @@ class EngineCore:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
         self.forwards.settle()  # before the check: aborting a lost forward may leave the ranks apart
         self.watch.check("backward")
-        self.parts.backward.stand_ins.clear()
+        self.parts.backward.take_back_stand_ins()
         before = self.step_state.micro_step
         try:
             self.parts.backward.once.check()  # refused before autograd runs, so that _abort posts it once
@@ -140,6 +140,7 @@ class EngineCore:
                 "step() called without a backward since the last step(): run engine.backward(loss) "
                 "(or loss.backward()) first"
             )
+        self.parts.backward.discard_cleared()  # before this call counts as one (discard_cleared)
         self.step_state.micro_at_step_call = self.step_state.micro_step
         if not self.is_accumulation_boundary():
             return False
@@ -210,6 +211,7 @@ class EngineCore:
             raise RuntimeError("clip_grad_norm_() cannot be used inside a forward or backward")
         if self.parts.optimizer_step is None:
             raise RuntimeError("clip_grad_norm_() needs gradients, and this engine has no trainable parameters")
+        self.parts.backward.discard_cleared()  # a norm without what the user's code set to None
         return self.parts.optimizer_step.request_clip(float(max_norm))
 
     def no_sync(self) -> Any:

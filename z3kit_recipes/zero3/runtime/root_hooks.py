@@ -253,7 +253,7 @@ class RootForward:
         if dtype != torch.float32:
             args, kwargs = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
         if torch.is_grad_enabled():  # its backward accumulates into .grad: no stand-in may be there
-            parts.backward.stand_ins.clear()
+            parts.backward.take_back_stand_ins()
         parts.step_state.start_forward(training=training)
         self._handled = sys.exc_info()[1]
         contexts = self._contexts = contextlib.ExitStack()

@@ -176,6 +176,24 @@ class BackwardPass:
         if self.checks is not None:
             self.checks.complete()
 
+    def discard_cleared(self) -> None:
+        """Drop from the window the gradients the user's code set to None since
+        the last backward and before any ``step()`` call, as they are gone under
+        DDP (``zero3.training.grad_stand_ins``); the next step check compares
+        which across ranks."""
+        pids = self.stand_ins.take_cleared()
+        # cleared after a step() call instead: a DeepSpeed loop's zero_grad after every step() call,
+        # inside a window that step() kept open (as DeepSpeed keeps it)
+        if pids and self.reducer is not None and self.step.backward_since_step_call:
+            self.reducer.discard(pids)
+            self.record.note_discarded([self.names[p] for p in pids])
+
+    def take_back_stand_ins(self) -> None:
+        """Before a training pass accumulates into ``.grad`` again: what the user
+        cleared is discarded, then the stand-ins are taken away."""
+        self.discard_cleared()
+        self.stand_ins.clear()
+
     def before_step(self) -> None:
         """The optimizer step is next: what got a gradient in the window is settled (``zero3.training.step_checks``)."""
         if self.checks is not None:

@@ -317,6 +317,14 @@ class GradReducer:
         if self.replicas is not None:
             self.replicas.pending.end()
 
+    def discard(self, pids: Iterable[int]) -> None:
+        """Drop these parameters' sums so far from the window (the user set their
+        ``.grad`` to None between micro-steps, ``zero3.training.grad_stand_ins``)."""
+        for pid in pids:
+            self.window.withdraw(pid)
+            if self.replicas is not None:
+                self.replicas.pending.withdraw(pid)
+
     def flush_replicas(self) -> None:
         """HSDP: make the window hold sums over every rank before it is read (a step, a save;
         collective; see ``zero3.training.replicas``)."""
