@@ -15,7 +15,7 @@ start of the next training forward or backward, and when the window ends
 
 A stand-in that the user's code took away first (``model.zero_grad()``,
 ``optimizer.zero_grad()``, ``param.grad = None``) means what it means under
-DDP: that parameter's gradient so far is gone. ``cleared`` names those
+DDP: that parameter's gradient so far is gone. ``take_cleared`` names those
 parameters, and the engine drops their partitions from the window
 (``zero3.training.backward``).
 """
