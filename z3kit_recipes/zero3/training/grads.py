@@ -21,10 +21,10 @@ Note: the same reductions on every rank.
     reductions share the gathers' communicator, so a bucket is issued
     before the end of backward only when it will be at the same point on
     every rank: when each of its parameters is ``reliable`` (see the Note
-    in ``zero3.training.step_checks``). Which
-    parameters got a gradient on some rank is agreed at the end of backward
-    (``zero3.ranks.agreement``): one that got none anywhere has none for the
-    optimizer, as after ``zero_grad(set_to_none=True)``.
+    in ``zero3.training.step_checks``). Which parameters got a gradient on
+    some rank is agreed at the end of backward (``zero3.ranks.agreement``):
+    one that got none anywhere has none for the optimizer, as after
+    ``zero_grad(set_to_none=True)``.
 
 Note: a gradient that arrives twice.
     A parameter used in two segments of reentrant activation checkpointing
@@ -49,8 +49,8 @@ Note: what exists when.
     Buckets are allocated when their first gradient arrives and dropped once
     their reduction has landed; between backwards a rank holds none. The
     partitions are allocated at the first landing of an accumulation window
-    and dropped by ``window.end`` after the optimizer step (or a
-    ``zero_grad``). Both are counted in the ``MemoryLedger``.
+    and dropped by ``window.end`` after the optimizer step (or a ``zero_grad``);
+    ``discard`` drops some of them. Both are counted in the ``MemoryLedger``.
 """
 
 from __future__ import annotations
@@ -95,14 +95,11 @@ class GradReducer:
         contiguous: bool,
         scale: float,
     ) -> None:
-        self.shards = shards
-        self.group, self.streams, self.log, self.memory = group, streams, log, memory
-        self.waiter = waiter
-        self.mode, self.overlap, self.scale = mode, overlap, scale
+        self.shards, self.group, self.streams, self.log, self.memory = shards, group, streams, log, memory
+        self.waiter, self.mode, self.overlap, self.scale = waiter, mode, overlap, scale
         first = shards[trainable[0]]
         self.rank, self.world, self.device = first.rank, first.world, first.shard.device
-        self.bucket_dtype = bucket_dtype
-        self._bucket_size, self._contiguous = bucket_size, contiguous
+        self.bucket_dtype, self._bucket_size, self._contiguous = bucket_dtype, bucket_size, contiguous
         #: parameters whose gradient arrived on this rank in this backward
         self.arrived: set[int] = set()
         #: ... or that a leaf unit said had none: handed over during backward, not filled in at its end
@@ -317,13 +314,11 @@ class GradReducer:
         if self.replicas is not None:
             self.replicas.pending.end()
 
-    def discard(self, pids: Iterable[int]) -> None:
-        """Drop these parameters' sums so far from the window (the user set their
-        ``.grad`` to None between micro-steps, ``zero3.training.grad_stand_ins``)."""
-        for pid in pids:
-            self.window.withdraw(pid)
-            if self.replicas is not None:
-                self.replicas.pending.withdraw(pid)
+    def discard(self, pids: Sequence[int]) -> None:
+        """Drop these parameters' sums so far (their ``.grad`` was set to None, ``zero3.training.grad_stand_ins``)."""
+        for window in (self.window,) if self.replicas is None else (self.window, self.replicas.pending):
+            for pid in pids:
+                window.withdraw(pid)
 
     def flush_replicas(self) -> None:
         """HSDP: make the window hold sums over every rank before it is read (a step, a save;
