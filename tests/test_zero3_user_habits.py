@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,12 +134,15 @@ def _clear(model: torch.nn.Module, which: str) -> None:
             p.grad = None
 
 
-def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: bool) -> dict[str, Any]:
-    """Gradients set to None before step() (a bad batch dropped) are gone, as under DDP;
-    cleared after a step() call they stay (the loop above)."""
+def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: bool, save_to: str) -> dict[str, Any]:
+    """Gradients set to None before step() (a bad batch dropped) are gone, as under DDP,
+    and from a checkpoint saved then; cleared after a step() call they stay (the loop above)."""
+    from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, read_manifest
+
     config = {**SHARDED, "gradient_accumulation_steps": 2, **({"mics_shard_size": 2} if hsdp else {})}
     case = Case("mlp", config, accumulation=2)
     engine, ref, model = build_pair(ctx, case)
+    saved: list[str] = []
     for step in range(3):
         for micro in range(2):
             b = vec_batch(ctx.rank, step, micro, 0)
@@ -147,9 +151,12 @@ def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: b
             if micro == micro_to_clear and step != 1:
                 _clear(model, which)
                 _clear(ref.model, which)
+                if step == 0 and micro == 0:
+                    engine.save_checkpoint(save_to)
+                    saved = read_manifest(Path(save_to), CHECKPOINT_KIND)["open_window"]
             engine.step()
         ref.step()
-    return {"params": engine.full_state_dict(), "ref": ref.params()}
+    return {"params": engine.full_state_dict(), "ref": ref.params(), "saved": saved}
 
 
 @pytest.mark.parametrize("world,which,micro_to_clear,hsdp", [
@@ -157,11 +164,14 @@ def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: b
     (1, "layer", 0, False), (4, "layer", 0, True),
 ])
 def test_gradients_set_to_none_before_step_are_discarded_as_under_ddp(
-    pools: PoolSet, world: int, which: str, micro_to_clear: int, hsdp: bool
+    pools: PoolSet, world: int, which: str, micro_to_clear: int, hsdp: bool, tmp_path: Path
 ) -> None:
-    for r in pools.run(world, _discard_worker, which, micro_to_clear, hsdp):
+    for r in pools.run(world, _discard_worker, which, micro_to_clear, hsdp, str(tmp_path / "ckpt")):
         for name, want in r["ref"].items():
             torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6)
+        if micro_to_clear == 0:  # the checkpoint's open window holds what was kept, and only that
+            kept = [] if which == "model" else [n for n in r["ref"] if not n.startswith("layers.0.")]
+            assert sorted(r["saved"]) == sorted(kept), r["saved"]
 
 
 def _discard_on_one_rank_worker(ctx: WorkerContext) -> str | None:

@@ -97,6 +97,7 @@ def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_sta
     """Write the engine's training state under ``path`` (collective; see the module docstring)."""
     engine.check_idle("save_checkpoint")
     engine.watch.check("save_checkpoint")
+    engine.parts.backward.discard_cleared()  # not saved: gradients the user's code set to None
     engine.parts.backward.settle_checks()  # the open window's parameters marked used, as a step would
     if engine.reducer is not None:
         engine.reducer.flush_replicas()  # HSDP: the window's sums over every rank (zero3.training.replicas)
