@@ -4,7 +4,8 @@ Each case is a habit of plain PyTorch, Hugging Face or PEFT code, run on
 the engine's model and on a DDP twin fed the same data: clipping by hand,
 ``model.state_dict()`` and ``load_state_dict``, ``save_pretrained``,
 ``zero_grad()`` after every ``step()`` call inside an accumulation window,
-``no_sync()``, and a rank that calls a collective alone.
+gradients set to None before ``step()`` (a bad batch dropped), ``no_sync()``,
+and a rank that calls a collective alone.
 """
 
 from __future__ import annotations
