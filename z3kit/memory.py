@@ -92,14 +92,12 @@ class MemoryLedger:
 
     def allocate(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` more of ``kind`` are held."""
-        if type(nbytes) is not int or nbytes < 0:  # noqa: E721  (the common case in one test: per gather)
-            check_int("nbytes", nbytes, at_least=0)
+        check_int("nbytes", nbytes, at_least=0)
         self._set(kind, self._current[kind] + nbytes)
 
     def free(self, kind: MemoryKind, nbytes: int) -> None:
         """``nbytes`` of ``kind`` were let go."""
-        if type(nbytes) is not int or nbytes < 0:  # noqa: E721  (as in allocate)
-            check_int("nbytes", nbytes, at_least=0)
+        check_int("nbytes", nbytes, at_least=0)
         if nbytes > self._current[kind]:
             raise ValueError(f"cannot free {nbytes} bytes of {kind.value}: only {self._current[kind]} are held")
         self._set(kind, self._current[kind] - nbytes)

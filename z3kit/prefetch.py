@@ -36,9 +36,8 @@ class PrefetchLimiter:
     def on_gather(self, numel: int) -> None:
         """A gather of ``numel`` elements was issued (demand or prefetch)."""
         # A float or a bool would silently turn the integer counters into
-        # something else; refuse it at the door (the common case in one test: this runs per gather).
-        if type(numel) is not int or numel < 0:  # noqa: E721
-            check_int("numel", numel, at_least=0)
+        # something else; refuse it at the door.
+        check_int("numel", numel, at_least=0)
         live = self.live_numel = self.live_numel + numel
         self.inflight += 1
         if live > self.high_water:  # an attribute set runs attrs' hooks: only when it changes
@@ -52,8 +51,7 @@ class PrefetchLimiter:
 
     def on_release(self, numel: int) -> None:
         """``numel`` gathered elements were released."""
-        if type(numel) is not int or numel < 0:  # noqa: E721  (as in on_gather)
-            check_int("numel", numel, at_least=0)
+        check_int("numel", numel, at_least=0)
         if numel > self.live_numel:
             raise ValueError(f"cannot release {numel} elements with {self.live_numel} live")
         self.live_numel -= numel

@@ -37,6 +37,8 @@ def is_number(value: object) -> TypeGuard[int | float]:
 
 def check_int(name: str, value: object, *, at_least: int | None = None) -> int:
     """``value``, an int (not a bool) that is ``>= at_least`` when a bound is given."""
+    if type(value) is int and (at_least is None or value >= at_least):  # noqa: E721 (the common case, on hot paths)
+        return value
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if at_least is not None and value < at_least:
