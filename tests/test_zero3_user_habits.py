@@ -53,6 +53,7 @@ def _clip_worker(ctx: WorkerContext, accumulation: int) -> dict[str, Any]:
             ref.micro_step([b], step, micro)
         for habit in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),
                       lambda: torch.nn.utils.clip_grad_norm_(engine.parameters(), 0.05),
+                      lambda: torch.nn.utils.clip_grad_norm_(engine.optimizer.param_groups[0]["params"], 0.05),
                       lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.01),
                       lambda: [p.grad.norm() for p in model.parameters()]):
             try:
@@ -127,9 +128,11 @@ def test_zero_grad_at_the_boundary_discards(pools: PoolSet) -> None:
         assert not r["changed"] and r["grads"] == [None] * len(r["grads"])
 
 
-def _clear(model: torch.nn.Module, which: str) -> None:
+def _clear(model: torch.nn.Module, optimizer: torch.optim.Optimizer, which: str) -> None:
     if which == "model":
         model.zero_grad()  # set_to_none=True
+    elif which == "optimizer":  # the engine's: built on the master shards
+        optimizer.zero_grad()
     else:  # one layer's, by hand
         for p in model.layers[0].parameters():  # type: ignore[index, union-attr]
             p.grad = None
@@ -150,8 +153,8 @@ def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: b
             engine.backward(vec_loss(model, b, step))
             ref.micro_step([b], step, micro)
             if micro == micro_to_clear and step != 1:
-                _clear(model, which)
-                _clear(ref.model, which)
+                _clear(model, engine.optimizer, which)
+                _clear(ref.model, ref.opt, which)
                 if step == 0 and micro == 0:
                     engine.save_checkpoint(save_to)
                     saved = read_manifest(Path(save_to), CHECKPOINT_KIND)["open_window"]
@@ -161,7 +164,8 @@ def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: b
 
 
 @pytest.mark.parametrize("world,which,micro_to_clear,hsdp", [
-    (2, "model", 0, False), (2, "layer", 0, False), (2, "model", 1, False), (2, "layer", 1, False),
+    (2, "model", 0, False), (2, "layer", 0, False), (2, "optimizer", 0, False),
+    (2, "model", 1, False), (2, "layer", 1, False), (2, "optimizer", 1, False),
     (1, "layer", 0, False), (4, "layer", 0, True),
 ])
 def test_gradients_set_to_none_before_step_are_discarded_as_under_ddp(
@@ -171,7 +175,7 @@ def test_gradients_set_to_none_before_step_are_discarded_as_under_ddp(
         for name, want in r["ref"].items():
             torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6)
         if micro_to_clear == 0:  # the checkpoint's open window holds what was kept, and only that
-            kept = [] if which == "model" else [n for n in r["ref"] if not n.startswith("layers.0.")]
+            kept = [n for n in r["ref"] if which == "layer" and not n.startswith("layers.0.")]
             assert sorted(r["saved"]) == sorted(kept), r["saved"]
 
 

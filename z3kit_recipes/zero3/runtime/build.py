@@ -238,7 +238,7 @@ def assemble(
 
     # the backward pass joins the two paths and makes the module hooks that drive them
     backward = BackwardPass(
-        layout.shards, names, layout.trainable, leaf_roots, coordinator=coordinator, reducer=reducer,
+        layout.shards, names, layout.trainable, layout.masters, leaf_roots, coordinator=coordinator, reducer=reducer,
         record=record, watch=watch, agreement=agreement, step=state,
         defer_reductions=config.divergent_graphs,
         # an fp16 loss must be scaled (see zero3.training.loss_scale)

@@ -52,6 +52,7 @@ class BackwardPass:
         shards: Sequence[ParamShard],
         names: Sequence[str],
         trainable: Sequence[int],
+        masters: Sequence[nn.Parameter],
         leaf_roots: Set[nn.Module],
         *,
         coordinator: ParamCoordinator,
@@ -98,8 +99,7 @@ class BackwardPass:
             reducer, watch, agreement.device, names, global_step=lambda: step.global_step,
             defer_all=defer_reductions)
         #: what ``param.grad`` holds between backward and step (``zero3.training.grad_stand_ins``)
-        self.stand_ins = GradStandIns([s.param for s in shards], names, trainable,
-                                      shards[0].world if shards else 1)
+        self.stand_ins = GradStandIns(self.params, names, trainable, masters, shards[0].world if shards else 1)
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
         self.watch_gradients(trainable)
 

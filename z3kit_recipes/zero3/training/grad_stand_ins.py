@@ -9,12 +9,14 @@ that every norm is 0. So after each backward that left the window open,
 every trainable parameter's ``.grad`` is a ``Withheld`` stand-in
 (``z3kit.withheld``), which raises on any read, naming what computes the
 right global answer (``engine.clip_grad_norm_``, ``gradient_clipping``).
+So is its master shard's, the optimizer's parameter: ``engine.optimizer``'s
+gradients are as absent there (the step gives them their partitions).
 They are taken away before anything could accumulate into them: at the
 start of the next training forward or backward, and when the window ends
 (the optimizer step, or ``zero_grad`` discarding it).
 
 A stand-in that the user's code took away first (``model.zero_grad()``,
-``optimizer.zero_grad()``, ``param.grad = None``) means what it means under
+``engine.optimizer.zero_grad()``, ``param.grad = None``) means what it means under
 DDP: that parameter's gradient so far is gone. ``take_cleared`` names those
 parameters, and the engine drops their partitions from the window
 (``zero3.training.backward``).
@@ -42,49 +44,56 @@ def _reason(name: str, world: int) -> str:
 
 
 class GradStandIns:
-    """``Withheld`` stand-ins in the trainable parameters' ``.grad`` (see the module docstring)."""
+    """``Withheld`` stand-ins in the trainable parameters' ``.grad`` and their
+    masters' (see the module docstring)."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], trainable: Sequence[int],
-                 world: int) -> None:
-        #: every managed parameter, by id; ``trainable`` is the layout's live list (unfreezing extends it)
-        self.params, self.names, self.trainable, self.world = params, names, trainable, world
+                 masters: Sequence[nn.Parameter], world: int) -> None:
+        #: every managed parameter, by id; ``trainable`` and ``masters`` (the optimizer's, one per trainable
+        #: parameter) are the layout's live lists (unfreezing extends them)
+        self.params, self.names, self.trainable, self.masters = params, names, trainable, masters
+        self.world = world
         self.shown = False
-        #: the parameters ``show`` put a stand-in on
-        self._placed: list[int] = []
-        #: each parameter's stand-in, made once for the shape it has between uses
-        self._made: dict[int, tuple[torch.Size, Withheld]] = {}
+        #: the parameters ``show`` put a stand-in on, and the tensors whose ``.grad`` it went into
+        self._placed: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        #: each stand-in, by parameter id and whether it is the master's, made once for the shape it is for
+        self._made: dict[tuple[int, bool], tuple[torch.Size, Withheld]] = {}
 
     def show(self) -> None:
-        """After a backward: a stand-in in each trainable parameter's empty ``.grad``."""
-        for pid in self.trainable:
-            param = self.params[pid]
-            if param.grad is None:
-                shape, stand_in = self._made.get(pid, (None, None))
-                if stand_in is None or shape != param.shape:
-                    stand_in = withheld_like(param, _reason(self.names[pid], self.world))
-                    self._made[pid] = param.shape, stand_in
-                param.grad = stand_in
-                self._placed.append(pid)
+        """After a backward: a stand-in in each trainable parameter's empty ``.grad``, and its master's."""
+        for pid, master in zip(self.trainable, self.masters):
+            holders = tuple(t for t in (self.params[pid], master) if t.grad is None)
+            for holder in holders:
+                key = pid, holder is master
+                shape, stand_in = self._made.get(key, (None, None))
+                if stand_in is None or shape != holder.shape:
+                    stand_in = withheld_like(holder, _reason(self.names[pid], self.world))
+                    self._made[key] = holder.shape, stand_in
+                holder.grad = stand_in
+            if holders:
+                self._placed.append((pid, holders))
         self.shown = True
 
     def take_cleared(self) -> list[int]:
-        """The parameters whose stand-in the user's code set to None since ``show``
-        (see the module docstring), each named once."""
+        """The parameters one of whose stand-ins the user's code set to None since
+        ``show`` (see the module docstring), each named once."""
         if not self.shown:
             return []
-        params = self.params
-        cleared = [pid for pid in self._placed if params[pid].grad is None]
+        cleared: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        kept: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        for pid, holders in self._placed:
+            (cleared if any(t.grad is None for t in holders) else kept).append((pid, holders))
         if cleared:
-            self._placed = [pid for pid in self._placed if params[pid].grad is not None]
-        return cleared
+            self._placed = kept
+        return [pid for pid, _ in cleared]
 
     def clear(self) -> None:
         """Before anything accumulates into ``.grad`` again, or when the window ends."""
         if not self.shown:
             return
-        for pid in self.trainable:
-            param = self.params[pid]
-            if isinstance(param.grad, Withheld):
-                param.grad = None
+        for pid, master in zip(self.trainable, self.masters):
+            for holder in (self.params[pid], master):
+                if isinstance(holder.grad, Withheld):
+                    holder.grad = None
         self._placed = []
         self.shown = False
