@@ -61,6 +61,13 @@ def _clip_worker(ctx: WorkerContext, accumulation: int) -> dict[str, Any]:
                 out["refused"].append(None)
             except ValueWithheld as exc:
                 out["refused"].append(str(exc))
+        steps_before = [float(st["step"]) for st in engine.optimizer.state.values()]
+        try:  # the DDP habit of stepping the optimizer: refused before it changes anything
+            engine.optimizer.step()
+            out["direct_step"] = None
+        except RuntimeError as exc:
+            out["direct_step"] = str(exc)
+        out["steps_kept"] = steps_before == [float(st["step"]) for st in engine.optimizer.state.values()]
         out["norms"].append(float(engine.clip_grad_norm_(0.05)))
         out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.05)))
         ref.opt.step()
@@ -76,6 +83,7 @@ def test_clipping_by_hand_refuses_and_engine_clip_is_ddps(pools: PoolSet, accumu
     for r in pools.run(2, _clip_worker, accumulation):
         assert all(msg is not None and "engine.clip_grad_norm_" in msg for msg in r["refused"]), r["refused"]
         assert r["grads_after_step"] == [None] * len(r["grads_after_step"])  # the stand-ins leave with the window
+        assert r["direct_step"] is not None and "Call engine.step() instead" in r["direct_step"] and r["steps_kept"]
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(r["ref_norms"]), rtol=1e-5, atol=1e-7)
         assert min(r["ref_norms"]) > 0.05  # every step clipped
         for name, want in r["ref_params"].items():

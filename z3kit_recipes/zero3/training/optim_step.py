@@ -13,6 +13,7 @@ from torch import nn
 
 from z3kit.memory import MemoryKind, MemoryLedger, storage_bytes
 from z3kit.shard import ParamShard
+from z3kit.withheld import Withheld
 from z3kit_recipes.zero3.training.grads import GradReducer
 from z3kit_recipes.zero3.training.loss_scale import LossScaler
 
@@ -43,6 +44,19 @@ class OptimizerStep:
         self.scaler = scaler
         #: ``engine.clip_grad_norm_``'s limit for the window's step (0: none asked)
         self.requested_clip = 0.0
+        optimizer.register_step_pre_hook(self._refuse_direct_step)
+
+    def _refuse_direct_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        """Refuse the user's own ``engine.optimizer.step()`` between backward and
+        ``engine.step()``, before it changes anything: the masters' ``.grad`` are
+        stand-ins then (``zero3.training.grad_stand_ins``), and stepping them
+        would fail half-way, after the optimizer's step counts moved."""
+        if any(isinstance(m.grad, Withheld) for m in self.masters):
+            raise RuntimeError(
+                "engine.optimizer.step() was called directly: its gradients are this rank's partitions, "
+                "which engine.step() hands it (averaged, clipped and unscaled) at each accumulation boundary. "
+                "Call engine.step() instead; nothing was changed"
+            )
 
     @property
     def last_grad_norm(self) -> float | None:
