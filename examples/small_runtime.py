@@ -159,6 +159,7 @@ def worker(rank: int, world: int, port: int) -> None:
         gap = train_beside_ddp(name, group)
         if rank == 0:
             print(f"{name}: PerModuleZero3 against DDP on {world} ranks, largest parameter difference {gap:.1e}")
+    dist.barrier()  # every rank done first: torch 2.13's gloo can abort in the teardown without it
     dist.destroy_process_group()
 
 
