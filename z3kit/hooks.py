@@ -154,12 +154,16 @@ class ModuleHooks:
 
         @outside_graphs
         def pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if mod is not module:  # a copy of the module (copy.deepcopy) carries this hook: not ours
+                return None
             self.work.hooks += 1
             with torch._C.DisableTorchFunction():
                 return self._pre_forward(mod, self._actions[module], args, kwargs)
 
         @outside_graphs
         def post(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if mod is not module:
+                return None
             self.work.hooks += 1
             with torch._C.DisableTorchFunction():
                 return self._post_forward(mod, self._actions[module], output)

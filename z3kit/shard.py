@@ -75,6 +75,10 @@ class ParamShard:
     #: ``full``'s first ``numel`` elements in the parameter's shape, what ``param.data`` is while
     #: gathered: made once (a view made per install cost ~2.4 us), while ``full`` has its bytes
     _full_view: torch.Tensor = attrs.field(init=False)
+    #: what the modules hold while the parameter is released (see ``show_between_uses``); None: ``param``
+    between_uses: torch.Tensor | None = attrs.field(init=False, default=None)
+    #: where modules register the parameter: (module, name), tied names each
+    registrations: tuple[tuple[torch.nn.Module, str], ...] = attrs.field(init=False, default=())
 
     def __attrs_post_init__(self) -> None:
         self.aliased = self.world == 1
@@ -156,6 +160,9 @@ class ParamShard:
             raise ValueError("install before materialize: the full buffer has no storage to read")
         self.param.data = self._full_view
         self.status = ParamStatus.AVAILABLE
+        if self.between_uses is not None:
+            for module, name in self.registrations:
+                module._parameters[name] = self.param
 
     def release(self) -> None:
         """Drop the full values; only the shard stays resident.
@@ -169,6 +176,19 @@ class ParamShard:
         if not self.aliased:
             _free_storage(self.full)
         self.status = ParamStatus.NOT_AVAILABLE
+        if self.between_uses is not None:
+            for module, name in self.registrations:
+                module._parameters[name] = self.between_uses
+
+    def show_between_uses(self, between_uses: torch.Tensor, registrations: Sequence[tuple[torch.nn.Module, str]]) -> None:
+        """From now on the modules in ``registrations`` hold ``between_uses``
+        while the parameter is released (a tensor of its logical shape that
+        holds the shard: ``z3kit.sharded_param``), and ``param`` while it is
+        gathered, as FSDP2 swaps its sharded and unsharded parameters."""
+        self.between_uses, self.registrations = between_uses, tuple(registrations)
+        held = self.param if self.status is ParamStatus.AVAILABLE else between_uses
+        for module, name in self.registrations:
+            module._parameters[name] = held
 
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's shard from full values (after a broadcast, say)."""

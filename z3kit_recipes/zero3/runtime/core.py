@@ -16,6 +16,7 @@ import torch
 
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
+from z3kit_recipes.zero3.runtime.between_uses import ParamsBetweenUses
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.monitor import StepMonitor
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
@@ -47,6 +48,8 @@ class EngineCore:
         self.memory_plan = parts.memory_plan
         #: the root's pre- and post-forward hooks: every forward's start and end (``zero3.runtime.root_hooks``)
         self.forwards = RootForward(parts, self._abort)
+        #: what the modules hold between uses: honest sharded parameters (``zero3.runtime.between_uses``)
+        self.between_uses = ParamsBetweenUses(parts, shards_changed=self.shards_changed, check_idle=self.check_idle)
         config = self.zero3_config
         micro = config.micro_batch_size
         #: rank 0's TensorBoard / CSV monitors (``Zero3Config.monitors``), None where none writes

@@ -139,11 +139,14 @@ class RootForward:
 
         @outside_graphs
         def pre_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if module is not root:  # a copy of the model (copy.deepcopy) carries this hook: not ours
+                return None
             return self._pre_forward(module, args, kwargs)
 
         @outside_graphs
         def post_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            self._post_forward()
+            if module is root:
+                self._post_forward()
 
         root = parts.module
         self._handles = [

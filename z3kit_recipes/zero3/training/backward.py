@@ -32,6 +32,7 @@ from z3kit.hook_context import at_backward_end, in_backward
 from z3kit.hooks import HookActions, ModuleHooks
 from z3kit.leaf import LeafModuleHook, ParamGrads
 from z3kit.shard import ParamShard
+from z3kit.sharded_param import take_accumulated_grad
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree, StepRecord
 from z3kit_recipes.zero3.ranks.fetch_agreement import FetchAgreement
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
@@ -101,11 +102,26 @@ class BackwardPass:
         #: what ``param.grad`` holds between backward and step (``zero3.training.grad_stand_ins``)
         self.stand_ins = GradStandIns(self.params, names, trainable, masters, shards[0].world if shards else 1)
         self._grad_handles: list[torch.utils.hooks.RemovableHandle] = []  # kept so the hooks can be removed
+        #: parameters whose sharded form hands its gradients over (``watch_external_gradients``)
+        self._external: set[int] = set()
         self.watch_gradients(trainable)
 
     def watch_gradients(self, pids: Sequence[int]) -> None:
         """Hand the gradients of ``pids`` to the reducer from now on (at initialize, and when they are unfrozen)."""
         self._hook(self.owners.add_trainable(pids))
+        self.watch_external_gradients(pids)
+
+    def watch_external_gradients(self, pids: Sequence[int]) -> None:
+        """Hand the gradients that uses outside a module's forward accumulate in
+        the sharded parameters of ``pids`` to the reducer (``take_external_grad``)."""
+        for pid in pids:
+            sharded = self.shards[pid].between_uses
+            if sharded is None or pid in self._external:
+                continue
+            self._external.add(pid)
+            with torch._C.DisableTorchFunctionSubclass():  # on the sharded tensor itself, not its parameter
+                sharded.requires_grad_(True)
+                self._grad_handles.append(on_grad_accumulated(sharded, self.take_external_grad, pid))
 
     def _hook(self, pids: Sequence[int]) -> None:
         self._grad_handles += [on_grad_accumulated(self.shards[p].param, self._on_grad_ready, p) for p in pids]
@@ -136,6 +152,16 @@ class BackwardPass:
         self.queue_epilogue()
         self.reducer.add(pid, grad)
         param.grad = None
+
+    def take_external_grad(self, sharded: torch.Tensor, pid: int) -> None:
+        """A gradient accumulated in a sharded parameter itself (a use outside a
+        module's forward: ``zero3.runtime.between_uses``): into the reducer."""
+        grad = take_accumulated_grad(sharded)
+        if grad is None or self.reducer is None or pid not in self.trainable:
+            return
+        self.hooks.work.hooks += 1
+        self.queue_epilogue()
+        self.reducer.add(pid, grad)
 
     def reduce_leaf(self, grads: ParamGrads) -> None:
         """A leaf unit's gradients, all at once (``LeafModuleHook``); one

@@ -44,6 +44,8 @@ class ModelWatch:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._param_ids = tuple(id(p) for p in module.parameters())
+        #: the id of each tensor a module holds in a parameter's place between uses, to that parameter's id
+        self._aliases: dict[int, int] = {}
         self._changed = False
         #: the buffers broadcast before each training forward (None: list them again)
         self._buffers: list[torch.Tensor] | None = None
@@ -68,16 +70,21 @@ class ModelWatch:
             weakref.finalize(self, register(hook).remove)
         weakref.finalize(self, guard_rebuilds(module))
 
+    def also_known_as(self, aliases: dict[int, int]) -> None:
+        """Modules hold these tensors (by id) in place of those parameters (by id) between uses."""
+        self._aliases.update(aliases)
+
     def check_parameters(self) -> None:
         """Refuse a model whose parameters changed after initialize."""
         if not self._changed:
             return
-        current = list(self.module.named_parameters())
-        if len(current) == len(self._param_ids) and all(id(p) == i for (_, p), i in zip(current, self._param_ids)):
+        aliases = self._aliases
+        current = [(name, aliases.get(id(p), id(p))) for name, p in self.module.named_parameters()]
+        if len(current) == len(self._param_ids) and all(p == i for (_, p), i in zip(current, self._param_ids)):
             self._changed = False
             return
         known = set(self._param_ids)
-        added = [name for name, p in current if id(p) not in known]
+        added = [name for name, p in current if p not in known]
         raise RuntimeError(
             f"parameters changed after zero3.initialize (new: {added or 'none'}, "
             f"count {len(self._param_ids)} -> {len(current)}); ZeRO-3 shards parameters at initialize: "

@@ -64,6 +64,7 @@ class ModelStateHooks:
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self._index = {id(s.param): pid for pid, s in enumerate(engine.shards)}
+        self._index.update((id(s.between_uses), pid) for pid, s in enumerate(engine.shards) if s.between_uses is not None)
         self._module_names = {id(m): n for n, m in engine.module.named_modules(remove_duplicate=False)}
         self._saving = 0  # depth of the state_dict call under way
         self._keep_vars = False

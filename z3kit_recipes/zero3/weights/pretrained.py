@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from z3kit.sharded_param import parameter_of
 from z3kit.validate import check_int
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import EXPORT_KIND, commit, staged
@@ -62,10 +63,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def names_by_param(module: nn.Module) -> dict[int, list[str]]:
-    """Every name of each parameter (tied ones have several), by ``id``."""
+    """Every name of each parameter (tied ones have several), by the ``id`` of
+    the engine's parameter (``ParamShard.param``), whichever form modules hold now."""
     out: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), []).append(name)
+        out.setdefault(id(parameter_of(p)), []).append(name)
     return out
 
 
