@@ -158,6 +158,13 @@ class ShardedTensor(torch.Tensor):
     def spec(self) -> ShardSpec:
         return self._spec
 
+    def full_tensor(self) -> torch.Tensor:
+        """The whole value in the logical shape, as a plain tensor (collective:
+        every rank calls it; differentiable where the tensor requires grad).
+        DTensor's name for the same."""
+        out: torch.Tensor = _whole(self)
+        return out
+
     @property
     def local(self) -> torch.Tensor:
         """This rank's flat padded slice (a view of the runtime's shard: no copy)."""
@@ -298,9 +305,34 @@ def _aligned(spec: ShardSpec, value: Any) -> torch.Tensor | None | object:
     return value
 
 
+_CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _unchanged_by(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A conversion of ``args[0]`` to the dtype and device it has already (torch returns the tensor itself)."""
+    t = args[0]
+    if not isinstance(t, ShardedTensor):
+        return False
+    if name == "contiguous":
+        return True
+    if name in _CONVERSIONS:
+        return _CONVERSIONS[name] == t.dtype
+    if name == "type_as":
+        return isinstance(args[1], torch.Tensor) and args[1].dtype == t.dtype and args[1].device == t.device
+    if name != "to" or kwargs.get("copy", False):
+        return False
+    try:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+    except TypeError:
+        return False
+    return (dtype is None or dtype == t.dtype) and (device is None or torch.device(device) == t.device)
+
+
 def _elementwise(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if name.startswith("_foreach_"):
         return _foreach(func, name, args, kwargs)
+    if _unchanged_by(name, args, kwargs):
+        return args[0]
     sharded = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardedTensor)]
     spec = sharded[0]._spec
     inplace = name.endswith("_") and not name.startswith("__") or name in ("__iadd__", "__isub__", "__imul__",
@@ -325,9 +357,6 @@ def _elementwise(func: Callable[..., Any], name: str, args: Sequence[Any], kwarg
         return target
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
         out = func(*local_args, **local_kwargs)
-    if name == "contiguous" or (name == "to" and out is local_args[0]) or (
-            name in ("float", "double", "half", "bfloat16", "type_as") and out is local_args[0]):
-        return args[0]  # nothing changed: the tensor itself, as torch returns it
     if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.numel() != spec.shard_numel:
         return _NOT_ELEMENTWISE
     return ShardedTensor(spec, out, sharded[0]._access)

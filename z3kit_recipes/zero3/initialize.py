@@ -42,6 +42,7 @@ from z3kit_recipes.zero3.ranks.topology import (
 )
 from z3kit_recipes.zero3.planner_choice import choose_planner
 from z3kit_recipes.zero3.runtime.build import MetaInit, StreamPairFactory, assemble
+from z3kit_recipes.zero3.runtime.between_uses import adopt_sharded_copies
 from z3kit_recipes.zero3.sharded_mark import check_not_sharded, mark_sharded
 from z3kit_recipes.zero3.training.hook_plan import LeafSpec, fetch_groups, resolve_leaves
 from z3kit_recipes.zero3.training.materialize import InitFn, check_materializable, has_meta_tensors
@@ -203,6 +204,7 @@ def initialize(
     meta_init = MetaInit(param_init_fn, rank0_seed if init_seed is None else init_seed) if meta else MetaInit(None, 0)
     # after the agreement: every rank builds the same mesh, over a group of the engine's own (see zero3.ranks.topology)
     topology = topology_for(engine_group(process_group), device_mesh, shard_size, device.type, hpz_size)
+    adopt_sharded_copies(model)  # a copy of a sharded model: its whole values (collective, after the agreement)
     parts = assemble(model, optimizer, config, topology, device, leaves, units, policies, plan, meta_init, stream_pairs)
     mark_sharded(model)
     return Zero3Engine(parts)

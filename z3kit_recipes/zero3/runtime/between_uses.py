@@ -143,3 +143,22 @@ class ParamsBetweenUses:
         self._check_idle(f"an in-place write to the sharded parameter {self.parts.param_names[pid]!r}")
         write_shard(t, apply, self.master(t))
         self._shards_changed([pid])
+
+
+def adopt_sharded_copies(model: nn.Module) -> None:
+    """Before ``initialize`` shards ``model``: each parameter that is a sharded
+    tensor (the model is a ``copy.deepcopy`` of a sharded one: an EMA or a
+    reference model) becomes a plain parameter of its whole value, gathered
+    one at a time (collective: every rank initializes the same model), under
+    every name it has."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if not isinstance(p, ShardedTensor):
+                continue
+            plain = replaced.get(id(p))
+            if plain is None:
+                with torch.no_grad():
+                    values = p.full_tensor().detach().clone()
+                plain = replaced[id(p)] = nn.Parameter(values, requires_grad=p.requires_grad)
+            module._parameters[name] = plain

@@ -163,14 +163,26 @@ class ShardLayout:
                 fill_partition(master.data, full, shard.rank, shard.world)
             shard.release()
 
-    def fill_local(self, pid: int, local: torch.Tensor) -> None:
+    def fill_local(self, pid: int, local: torch.Tensor, *, keep_rounded: bool = False) -> None:
         """This rank's slice of a parameter's flat values (``shard_numel`` or
-        fewer elements; the padding becomes zeros) into its shard and master."""
+        fewer elements; the padding becomes zeros) into its shard and master.
+
+        ``keep_rounded``: a separate fp32 master keeps each element whose
+        value rounds to the one given (``local`` in the compute dtype, as
+        ``model.state_dict()`` gives it), so that a state dict's round trip
+        changes nothing in any dtype; any other value is written whole."""
         shard = self.shards[pid]
-        for target in (shard.shard, self._masters.get(pid) if not self.masters_are_shards else None):
-            if target is not None:
-                target.data[: local.numel()].copy_(local)
-                target.data[local.numel() :].zero_()
+        n = local.numel()
+        master = self._masters.get(pid) if not self.masters_are_shards else None
+        if master is not None:
+            kept = master.data[:n]
+            given = local.to(kept.device)
+            if keep_rounded and local.dtype != kept.dtype:
+                given = torch.where(kept.to(local.dtype).eq(given), kept, given.to(kept.dtype))
+            kept.copy_(given)
+            master.data[n:].zero_()
+        shard.shard.data[:n].copy_(local)
+        shard.shard.data[n:].zero_()
 
     def local_range(self, pid: int) -> tuple[int, int]:
         """``[start, stop)`` of the flattened parameter that this rank's shard holds (empty past its end)."""

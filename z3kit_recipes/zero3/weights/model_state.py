@@ -202,7 +202,7 @@ class ModelStateHooks:
             engine.synchronize()  # a refresh of the persistent parameters may still read the shards
             for pid, full in fulls.items():
                 start, stop = engine.layout.local_range(pid)
-                engine.layout.fill_local(pid, full[start:stop].to(engine.device))
+                engine.layout.fill_local(pid, full[start:stop].to(engine.device), keep_rounded=True)
             engine.shards_changed(list(fulls))
         for key in entries:
             del state_dict[key]
