@@ -1,6 +1,6 @@
 """Several runs of ``examples/hf_trainer.py`` in one ``torchrun`` launch.
 
-    torchrun --standalone --nproc-per-node 2 tests/hf_trainer_runs.py RUNS_JSON
+    torchrun --standalone --nproc-per-node 2 tests/hf_trainer_runs.py RUNS_JSON [EXAMPLE]
 
 ``RUNS_JSON`` is a list of steps, each either the example's own command-line
 arguments (one run of its ``train``, as its ``main`` runs it) or
@@ -9,7 +9,8 @@ arguments (one run of its ``train``, as its ``main`` runs it) or
 its own model, ``TrainingArguments`` and trainer, seeded as the example
 seeds them, so a run gives what it gives when launched alone; the launch
 is paid once instead of once per run (each costs two processes importing
-torch and transformers: most of a run's time here).
+torch and transformers: most of a run's time here). ``EXAMPLE``: another
+example with the same ``parse`` and ``train`` (``examples/trl_trainers.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
 
 
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    example_path = Path(sys.argv[2]) if len(sys.argv) > 2 else EXAMPLE
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", example_path)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -140,7 +140,7 @@ def _save(t: Any) -> None:
 REFUSALS = [
     Row("pickle.dumps(p)", REFUSED, lambda m, x: pickle.dumps(_w(m))),
     Row("torch.save(p) / torch.save(p.detach())", REFUSED, lambda m, x: _save(_w(m).detach())),
-    Row("p.untyped_storage(), p.data_ptr()", REFUSED, lambda m, x: _w(m).data_ptr()),
+    Row("p.untyped_storage()", REFUSED, lambda m, x: _w(m).untyped_storage()),
     Row("p.normal_() (a random re-init)", REFUSED, _no_grad(lambda m, x: _w(m).normal_())),
     Row("p.data = tensor", REFUSED, lambda m, x: setattr(_w(m), "data", torch.zeros(_w(m).shape))),
     Row("p.index_fill_(0, idx, 0.0) (in place, not elementwise)", REFUSED,

@@ -21,6 +21,7 @@ from typing import Any
 PRIMITIVES: tuple[tuple[str, str], ...] = (
     ("ParamShard", "z3kit.shard"),
     ("gather_shards", "z3kit.shard"),
+    ("ShardedTensor", "z3kit.sharded_param"),
     ("GatherHandle", "z3kit.shard"),
     ("ModuleHooks", "z3kit.hooks"),
     ("HookActions", "z3kit.hooks"),

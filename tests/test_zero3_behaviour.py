@@ -30,6 +30,7 @@ from tests.zero3_models import (
     train_steps,
 )
 from z3kit.prefetch import PrefetchLimiter
+from z3kit.sharded_param import parameter_of
 from z3kit.recorded_step import Phase, RecordedStep
 from z3kit.release import StockReleasePolicy
 from z3kit.schedule_plan import SchedulePlan
@@ -58,7 +59,8 @@ def run_release_after_step(ctx: Any, overlap: bool) -> dict[str, Any]:
 
     def after_step(step: int) -> None:
         seen.append({
-            "data_numel": {n: p.data.numel() for n, p in model.named_parameters()},
+            # the gathered storage of each parameter (between uses a module holds its sharded form)
+            "data_numel": {n: parameter_of(p).data.numel() for n, p in model.named_parameters()},
             "gathered": engine.gathered_numel(),
             "live": engine.stats().live_numel,
         })

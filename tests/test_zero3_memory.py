@@ -19,6 +19,7 @@ import torch
 from tests.errors import error_of, unchanged
 from tests.zero3_models import WORKLOADS, Case, assert_pair, build_pair, engine_micro_step, finish, new_result, train_steps
 from z3kit.memory import MemoryKind, MemoryLedger
+from z3kit.sharded_param import parameter_of
 from z3kit_recipes.zero3.config.budget import TRANSIENT_FLOOR_NUMEL, plan_memory, transient_cap
 from z3kit_recipes.zero3.config.config import Zero3Config
 from z3kit_recipes.zero3.training.layout import CHUNK_NUMEL
@@ -48,7 +49,7 @@ def run_lifecycle(ctx: Any, dtype: str) -> dict[str, Any]:
         "shards": shard_numels(ref.model, ctx.world),
         "elsize": torch.finfo(engine.zero3_config.torch_dtype).bits // 8,
         "after_init": current(engine),
-        "model_data_numel": sum(p.data.numel() for p in model.parameters()),
+        "model_data_numel": sum(parameter_of(p).data.numel() for p in model.parameters()),
         "init_broadcast": engine.log.snapshot()["broadcast"],
         "model_bytes": sum(p.numel() * p.element_size() for p in ref.model.parameters()),
     }

@@ -76,7 +76,7 @@ class ParamShard:
     #: gathered: made once (a view made per install cost ~2.4 us), while ``full`` has its bytes
     _full_view: torch.Tensor = attrs.field(init=False)
     #: what the modules hold while the parameter is released (see ``show_between_uses``); None: ``param``
-    between_uses: torch.Tensor | None = attrs.field(init=False, default=None)
+    between_uses: torch.nn.Parameter | None = attrs.field(init=False, default=None)
     #: where modules register the parameter: (module, name), tied names each
     registrations: tuple[tuple[torch.nn.Module, str], ...] = attrs.field(init=False, default=())
 
@@ -180,13 +180,13 @@ class ParamShard:
             for module, name in self.registrations:
                 module._parameters[name] = self.between_uses
 
-    def show_between_uses(self, between_uses: torch.Tensor, registrations: Sequence[tuple[torch.nn.Module, str]]) -> None:
+    def show_between_uses(self, between_uses: torch.nn.Parameter, registrations: Sequence[tuple[torch.nn.Module, str]]) -> None:
         """From now on the modules in ``registrations`` hold ``between_uses``
         while the parameter is released (a tensor of its logical shape that
         holds the shard: ``z3kit.sharded_param``), and ``param`` while it is
         gathered, as FSDP2 swaps its sharded and unsharded parameters."""
         self.between_uses, self.registrations = between_uses, tuple(registrations)
-        held = self.param if self.status is ParamStatus.AVAILABLE else between_uses
+        held: torch.nn.Parameter = self.param if self.status is ParamStatus.AVAILABLE else between_uses
         for module, name in self.registrations:
             module._parameters[name] = held
 

@@ -146,7 +146,7 @@ class ShardedTensor(torch.Tensor):
         if local.dim() != 1 or local.numel() != spec.shard_numel:
             raise ValueError(f"a shard of {tuple(spec.shape)} over {spec.world} ranks has {spec.shard_numel} "
                              f"elements, got a tensor of shape {tuple(local.shape)}")
-        out: ShardedTensor = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        out: ShardedTensor = torch.Tensor._make_wrapper_subclass(
             cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         out._spec, out._local, out._master, out._access, out._home = spec, local, master, access, home
         return out
@@ -221,7 +221,8 @@ class ShardedTensor(torch.Tensor):
         return _compute(func, args, kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Iterable[type], args: tuple[Any, ...] = (),  # type: ignore[override]
+                           kwargs: dict[Any, Any] | None = None) -> Any:
         # every use is decided in __torch_function__; one that reaches the dispatcher came in a way it did not see
         raise ShardedValueError(
             f"{func} reached a sharded parameter below torch's function layer (a C++ path or a mode that "
@@ -243,7 +244,7 @@ _METADATA = frozenset({
 })
 
 _REFUSED = frozenset({
-    "untyped_storage", "storage", "_typed_storage", "data_ptr", "storage_offset", "stride", "__reduce_ex__",
+    "untyped_storage", "storage", "_typed_storage", "storage_offset", "stride", "__reduce_ex__",
     "__getstate__", "__setstate__", "set_", "resize_", "as_strided", "as_strided_", "share_memory_",
     "pin_memory", "__dlpack__",
 })
@@ -302,7 +303,8 @@ def _aligned(spec: ShardSpec, value: Any) -> torch.Tensor | None | object:
         if tuple(value.shape) == tuple(spec.shape) and not (torch.is_grad_enabled() and value.requires_grad):
             return spec.local_slice(value)
         return _NOT_ELEMENTWISE
-    return value
+    kept: object = value
+    return kept
 
 
 _CONVERSIONS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -395,10 +397,10 @@ def _foreach(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: d
                     return func(*operands, **kw)
 
                 if inplace:
-                    _write(row[0], per_position, aligned[1:], kwargs)
+                    _write(row[0], per_position, aligned[1:], kwargs)  # row[0] is sharded: checked above
                     continue
                 with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-                    local = per_position(*aligned, **kwargs)[0]
+                    local = per_position(*aligned, **kwargs)[0]  # type: ignore[arg-type]
                 out = ShardedTensor(spec, local, sharded[0]._access)
         if out is _NOT_ELEMENTWISE:
             computed = _compute(func, [[x] if listed else x for x, listed in zip(row, is_list)], kwargs)
@@ -420,11 +422,11 @@ class _Gathered(torch.autograd.Function):
     back to the sharded tensor itself (its ``.grad``, where the owner takes it)."""
 
     @staticmethod
-    def forward(ctx: Any, t: ShardedTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: ShardedTensor) -> torch.Tensor:
         return t._access.full_values(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
@@ -433,7 +435,7 @@ def _whole(t: ShardedTensor) -> torch.Tensor:
     if plain is not None:
         return plain
     if torch.is_grad_enabled() and _requires_grad(t):
-        out: torch.Tensor = _Gathered.apply(t)
+        out: torch.Tensor = _Gathered.apply(t)  # type: ignore[no-untyped-call]
         return out
     return t._access.full_values(t)
 
@@ -455,6 +457,13 @@ def _compute(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
 def _detach(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> ShardedTensor:
     t: ShardedTensor = args[0]
     return ShardedTensor(t._spec, t._local, t._access, master=t._master, home=t._home)
+
+
+def _data_ptr(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The shard's address: the same for every name of one parameter, another for every other (what
+    libraries compare it for); no whole value lies behind it."""
+    t: ShardedTensor = args[0]
+    return int(t._local.data_ptr())
 
 
 def _data_set(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
@@ -503,6 +512,7 @@ _SPECIAL: dict[str, Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]]
     "detach": _detach,
     "data": _detach,
     "data__set__": _data_set,
+    "data_ptr": _data_ptr,
     "grad": _grad_get,
     "_grad": _grad_get,
     "grad__set__": _grad_set,

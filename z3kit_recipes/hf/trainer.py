@@ -23,6 +23,15 @@ Note: who does what.
     Trainer sees is the engine's, with ``step``/``zero_grad`` left to the
     engine (as Accelerate's DeepSpeed wrapper does).
 
+Note: TRL.
+    TRL's trainers are Trainers: ``class T(Zero3Trainer, SFTTrainer)`` (or
+    ``DPOTrainer``) runs them on the engine. Their fused losses take
+    ``lm_head.weight`` into their own ``autograd.Function``, which the
+    model's sharded parameters answer as an unsharded weight would
+    (``zero3.runtime.between_uses``); a frozen reference model in
+    ``ref_model`` is sharded too, by an engine of its own that only runs
+    forwards.
+
 Note: saving.
     ``save_model`` gathers the full weights (every rank calls it, as
     Trainer scripts do) and writes Hugging Face safetensors from rank 0;
@@ -86,6 +95,12 @@ class Zero3Trainer(Trainer):
         # the JSON's optimizer section, where it has one (DeepSpeed's meaning); else Trainer's own
         factory = None if settings.config.optimizer is not None else trainer_optimizer_factory(self, model)
         self.engine = zero3.initialize(model, factory, settings.config)
+        #: TRL's trainers (DPO, and others with a frozen reference): the reference model sharded too, by an
+        #: engine of its own that only runs forwards (``initialize(ref, None)``); None without one
+        self.ref_engine: zero3.Zero3Engine | None = None
+        reference = getattr(self, "ref_model", None)
+        if isinstance(reference, torch.nn.Module) and reference is not model:
+            self.ref_engine = zero3.initialize(reference, None, settings.config)
         # prepared already: Accelerate must not wrap the sharded model in DDP, nor move it
         self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         self.optimizer = EngineOptimizer(self.engine.require_optimizer("Zero3Trainer"))

@@ -206,8 +206,9 @@ def initialize(
     topology = topology_for(engine_group(process_group), device_mesh, shard_size, device.type, hpz_size)
     adopt_sharded_copies(model)  # a copy of a sharded model: its whole values (collective, after the agreement)
     parts = assemble(model, optimizer, config, topology, device, leaves, units, policies, plan, meta_init, stream_pairs)
+    engine = Zero3Engine(parts)
     mark_sharded(model)
-    return Zero3Engine(parts)
+    return engine
 
 
 def _read_config(

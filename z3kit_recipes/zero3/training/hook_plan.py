@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from z3kit.dynamo import is_compiled
+from z3kit.sharded_param import parameter_of
 
 LeafSpec = type[nn.Module] | nn.Module
 
@@ -100,9 +101,9 @@ def fetch_groups(
         if m in inside_leaf:
             continue
         if m in roots:
-            pids = list(dict.fromkeys(index[id(p)] for p in m.parameters()))
+            pids = list(dict.fromkeys(index[id(parameter_of(p))] for p in m.parameters()))
         else:
-            pids = list(dict.fromkeys(index[id(p)] for p in m.parameters(recurse=False)))
+            pids = list(dict.fromkeys(index[id(parameter_of(p))] for p in m.parameters(recurse=False)))
         if pids or m is model:
             groups[m] = pids
     return groups
