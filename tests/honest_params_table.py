@@ -114,6 +114,9 @@ READS = [
         _no_grad(lambda m, x: [torch.stack([_w(m), _w(m)]), torch.zeros_like(_w(m)).sum()])),
     Row("copy.deepcopy(p), then its values", SAME, _no_grad(lambda m, x: copy.deepcopy(_w(m)).sum())),
     Row("p.float() of an fp32 parameter is p", SAME, lambda m, x: _w(m).float() is _w(m)),
+    Row("model.float(), model.to('cpu') (nothing changes), then the parameters' values", SAME,
+        lambda m, x: [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                      for p in m.to("cpu").float().parameters()]),
 ]
 
 #: written between uses (under torch.no_grad, as an EMA or an init would): the model's values afterwards compared
@@ -143,6 +146,7 @@ REFUSALS = [
     Row("p.untyped_storage()", REFUSED, lambda m, x: _w(m).untyped_storage()),
     Row("p.normal_() (a random re-init)", REFUSED, _no_grad(lambda m, x: _w(m).normal_())),
     Row("p.data = tensor", REFUSED, lambda m, x: setattr(_w(m), "data", torch.zeros(_w(m).shape))),
+    Row("model.half(), model.to(torch.bfloat16) after initialize", REFUSED, lambda m, x: m.half()),
     Row("p.index_fill_(0, idx, 0.0) (in place, not elementwise)", REFUSED,
         _no_grad(lambda m, x: _w(m).index_fill_(0, torch.tensor([0]), 0.0))),
     Row("p.mul_(2) under autograd (in place on a leaf that requires grad, as torch refuses)", REFUSED,

@@ -237,3 +237,34 @@ def test_deepcopy_and_bf16_round_trip(pools: PoolSet) -> None:
         torch.testing.assert_close(r["copy_out"][0], r["copy_out"][1])
         torch.testing.assert_close(r["second_out"], r["copy_out"][1])
         assert all(diff == 0.0 for _, diff in r["twin_close"])  # the masters are the model's fp32 values
+
+
+# -- a rank that gathers alone -------------------------------------------------------------------------------
+def _alone_worker(ctx: WorkerContext) -> dict[str, Any]:
+    import time
+
+    from tests.dist_pool import fresh_group
+    from z3kit_recipes import zero3
+    from z3kit_recipes.zero3 import RanksDisagree
+
+    torch.manual_seed(0)
+    model = Net()
+    engine = zero3.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                              zero3.Zero3Config(param_persistence_threshold=0, collective_timeout_s=60),
+                              fresh_group(ctx))
+    started = time.monotonic()
+    try:
+        if ctx.rank == 0:  # rank-0-only logging of a weight's norm, while rank 1 trains
+            float(model.head.weight.norm())
+        else:
+            engine.backward(engine(torch.ones(2, 5)).sum())
+        error = None
+    except RanksDisagree as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
+def test_a_rank_that_gathers_alone_is_named_on_every_rank(pools: PoolSet) -> None:
+    for r in pools.run(2, _alone_worker):
+        assert r["error"] is not None and "head.weight" in r["error"], r
+        assert r["seconds"] < 10

@@ -467,9 +467,13 @@ def _data_ptr(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
 
 
 def _data_set(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    if args[1] is args[0]:  # Module._apply's conversion to the dtype and device it has: nothing changes
+        return
     raise ShardedValueError(
-        "assigning .data of a sharded parameter would replace its shard with another tensor; write values with "
-        "param.copy_(values) (elementwise on the shards), or inside engine.gathered_parameters(modifier_rank=0)")
+        "assigning .data of a sharded parameter would put another tensor in place of its shard (model.half(), "
+        "model.to(dtype) or model.to(device) after zero3.initialize do this): the engine computes in "
+        "Zero3Config.compute_dtype on the device it was initialized on, so set those at initialize. To write "
+        "values: param.copy_(values) (elementwise on the shards), or inside engine.gathered_parameters(modifier_rank=0)")
 
 
 def _grad_get(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
