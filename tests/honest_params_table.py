@@ -153,7 +153,16 @@ REFUSALS = [
         lambda m, x: _w(m).mul_(2)),
 ]
 
-ROWS = READS + WRITES_ROWS + REFUSALS
+#: between a backward and the optimizer step: values read as above; gradients are the engine's partitions
+AFTER_BACKWARD = [
+    Row("after backward: p.sum(), p.norm()", SAME, _no_grad(lambda m, x: [[p.sum(), p.norm()] for p in _params(m)])),
+    Row("after backward: p.grad is None", SAME, lambda m, x: [p.grad is None for p in _params(m)]),
+    Row("after backward: p.grad.norm() (a gradient logger)", REFUSED, lambda m, x: [p.grad.norm() for p in _params(m)]),
+    Row("after backward: clip_grad_norm_(model.parameters(), 1.0)", REFUSED,
+        lambda m, x: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)),
+]
+
+ROWS = READS + WRITES_ROWS + REFUSALS + AFTER_BACKWARD
 
 
 def markdown() -> str:

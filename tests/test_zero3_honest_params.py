@@ -62,9 +62,20 @@ def _engine(ctx: WorkerContext, model: nn.Module, **config: Any) -> Any:
                             zero3.Zero3Config(param_persistence_threshold=0, **config), ctx.group)
 
 
-def _table_worker(ctx: WorkerContext) -> dict[str, Any]:
+def _refusal(row: table.Row, model: nn.Module, x: torch.Tensor) -> tuple[str, str | None, str | None]:
     from z3kit.sharded_param import ShardedValueError
+    from z3kit.withheld import ValueWithheld
 
+    try:
+        row.run(model, x)
+    except (ShardedValueError, ValueWithheld) as exc:
+        return row.habit, "z3kit", str(exc)
+    except RuntimeError as exc:
+        return row.habit, "torch", str(exc)
+    return row.habit, None, None
+
+
+def _table_worker(ctx: WorkerContext) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     twin = copy.deepcopy(model)
@@ -87,13 +98,15 @@ def _table_worker(ctx: WorkerContext) -> dict[str, Any]:
         twin_opt.step()
     out["trained"] = (engine.full_state_dict(), {k: v.clone() for k, v in twin.state_dict().items()})
     for row in table.REFUSALS:
-        try:
-            row.run(model, x)
-            out["refusals"].append((row.habit, None, None))
-        except ShardedValueError as exc:
-            out["refusals"].append((row.habit, "z3kit", str(exc)))
-        except RuntimeError as exc:
-            out["refusals"].append((row.habit, "torch", str(exc)))
+        out["refusals"].append(_refusal(row, model, x))
+    # between a backward and the optimizer step
+    engine.backward(engine(x).pow(2).mean())
+    twin(x).pow(2).mean().backward()
+    for row in table.AFTER_BACKWARD:
+        if row.expect == table.REFUSED:
+            out["refusals"].append(_refusal(row, model, x))
+        else:
+            out["reads"].append((row.habit, _plain(row.run(model, x)), _plain(row.run(twin, x))))
     out["shapes"] = [tuple(p.shape) for p in model.parameters()]
     return out
 
@@ -127,6 +140,8 @@ def test_conformance_table(pools: PoolSet, world: int) -> None:
             assert kind is not None, f"not refused: {habit}"
             if "autograd" in habit:
                 assert kind == "torch" and "in-place" in message, (habit, message)
+            elif habit.startswith("after backward"):
+                assert kind == "z3kit" and "engine.clip_grad_norm_" in message, (habit, message)
             else:
                 assert kind == "z3kit" and "gathered_parameters" in message, (habit, message)
 

@@ -120,7 +120,7 @@ class ParamsBetweenUses:
         released = shard.status is not ParamStatus.AVAILABLE
         name = self.parts.param_names[pid]
         with self._meeting(released and outside, f"a function on the sharded parameter {name!r} outside a forward"):
-            coordinator.gatherer.ensure_gathered([pid])
+            coordinator.ensure_gathered([pid])
             with torch.no_grad():
                 values = shard.param.detach().clone()
             if released and not coordinator.holds.held(pid) and not coordinator.persistent[pid]:

@@ -208,6 +208,11 @@ class ParamCoordinator:
         self._note("fetch", module, self.limiter.live_numel - live_before)
         self.holds.hold(module, pids)
 
+    def ensure_gathered(self, pids: list[int]) -> None:
+        """Make ``pids`` available now, outside any module's fetch (a use
+        outside a forward: ``zero3.runtime.between_uses``), as a fetch would."""
+        self._ensure_gathered(pids)
+
     def _ensure_gathered(self, pids: list[int]) -> None:
         if self.rounds is None:
             self.gatherer.ensure_gathered(pids)
