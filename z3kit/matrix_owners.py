@@ -29,14 +29,14 @@ Note: one all-to-all each way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from z3kit.partition import shard_numel_for
-from z3kit.validate import check_int
+from z3kit.validate import check_int, int_validator
 
 ProcessGroup = dist.ProcessGroup
 
@@ -64,17 +64,21 @@ def assign_owners(costs: Sequence[int], world: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def _shape(value: Sequence[int]) -> tuple[int, ...]:
-    return tuple(check_int("shape", v, at_least=0) for v in value)
+def _shapes(value: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(check_int("shape", v, at_least=0) for v in shape) for shape in value)
+
+
+def _owners(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
 class MatrixPlan:
     """Which rank owns each matrix of ``shapes`` over ``world`` ranks."""
 
-    shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda s: tuple(_shape(x) for x in s))
-    world: int = attrs.field(validator=lambda _i, _a, v: check_int("world", v, at_least=1))
-    owners: tuple[int, ...] = attrs.field(converter=tuple)
+    shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
+    world: int = attrs.field(validator=int_validator(at_least=1))
+    owners: tuple[int, ...] = attrs.field(converter=_owners)
 
     def __attrs_post_init__(self) -> None:
         if len(self.owners) != len(self.shapes):

@@ -45,6 +45,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from z3kit.device import device_type_for_backend
 from z3kit.matrix_owners import MatrixPlan, gather_to_owners, scatter_from_owners
 from z3kit.partition import shard_numel_for
 
@@ -62,10 +63,10 @@ class ShardedParams(Protocol):
     def group(self) -> dist.ProcessGroup:
         """The process group the shards are cut over (rank ``r`` holds slice ``r``)."""
 
-    def full_shape(self, shard: torch.nn.Parameter) -> torch.Size:
+    def full_shape(self, shard: torch.Tensor) -> torch.Size:
         """The shape of the parameter ``shard`` is a slice of."""
 
-    def name_of(self, shard: torch.nn.Parameter) -> str:
+    def name_of(self, shard: torch.Tensor) -> str:
         """The parameter's name in the model."""
 
 
@@ -150,6 +151,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self.shards = shards
         self._group = shards.group
         self._world = dist.get_world_size(self._group)
+        self._device_type = device_type_for_backend(str(dist.get_backend(self._group)))
         adam_groups = [g for g in groups if isinstance(g, dict) and g.get("use_muon", True) is False]
         self._adamw_defaults = dict(adamw or {})
         # AdamW fills its defaults into its groups first; Muon's fill the rest (never overriding them)
@@ -176,13 +178,19 @@ class ShardedMuon(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _check_matrix(self, p: torch.Tensor) -> None:
-        shape = self.shards.full_shape(p)  # type: ignore[arg-type]
-        name = self.shards.name_of(p)  # type: ignore[arg-type]
+        shape = self.shards.full_shape(p)
+        name = self.shards.name_of(p)
         if len(shape) != 2:
             raise ValueError(
                 f"parameter {name!r} of shape {tuple(shape)} is in a Muon group (use_muon=True), but Muon "
                 "orthogonalizes 2-D matrices only (torch.optim.Muon refuses it too); put it in a group with "
                 "use_muon=False to step it with AdamW")
+        if p.device.type != self._device_type:
+            raise ValueError(
+                f"parameter {name!r}'s shard is on {p.device}, but Muon gathers it over a "
+                f"{dist.get_backend(self._group)} group, which carries {self._device_type} tensors (an offloaded "
+                "optimizer's host masters?); Muon's matrices move between ranks each step, so offload_optimizer "
+                "is refused with Muon off the CPU")
         if p.dim() != 1 or p.numel() != shard_numel_for(shape.numel(), self._world):
             raise ValueError(f"parameter {name!r}: Muon needs its flat 1/{self._world} shard "
                              f"({shard_numel_for(shape.numel(), self._world)} elements), got shape {tuple(p.shape)}")
@@ -237,7 +245,7 @@ class ShardedMuon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - g["momentum"])
             updates.append(grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
-        shapes = [self.shards.full_shape(p) for p, _ in entries]  # type: ignore[arg-type]
+        shapes = [self.shards.full_shape(p) for p, _ in entries]
         plan = MatrixPlan.balanced(shapes, self._world)
         whole = gather_to_owners(plan, [u.float() for u in updates], self._group)
         results = {i: newton_schulz(m, tuple(entries[i][1]["ns_coefficients"]), entries[i][1]["ns_steps"],

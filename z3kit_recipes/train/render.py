@@ -5,6 +5,7 @@ from __future__ import annotations
 from z3kit.device import DeviceInfo
 from z3kit_recipes.train.checkpointing import CheckpointFigures
 from z3kit_recipes.zero3 import Zero3Stats
+from z3kit_recipes.zero3.config.json_muon import JsonMuon
 from z3kit_recipes.train.corpus import CharVocab, Corpus
 from z3kit_recipes.train.memory import KINDS, MemoryFigures
 from z3kit_recipes.train.report import Summary
@@ -118,6 +119,9 @@ def _optimizer(spec: RunSpec) -> str:
     c = spec.config
     if c.optimizer is None:
         said = f"AdamW lr {spec.lr:g}"
+    elif isinstance(c.optimizer, JsonMuon):
+        said = f"Muon lr {c.optimizer.muon_lr:g} and AdamW lr {c.optimizer.adam_lr:g} (--config's optimizer, weight " \
+            f"decay {c.optimizer.weight_decay:g})"
     else:
         said = f"{'AdamW' if c.optimizer.adamw else 'Adam'} lr {spec.lr:g} (--config's optimizer, weight decay " \
             f"{c.optimizer.weight_decay:g})"
