@@ -88,12 +88,13 @@ def _train(ctx: WorkerContext, engine: Any, ref: dict[str, torch.nn.Parameter], 
     return mismatches
 
 
-def _parity_worker(ctx: WorkerContext, save_to: str) -> dict[str, Any]:
+def _parity_worker(ctx: WorkerContext, save_to: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     from z3kit_recipes import zero3
 
     model = _model()
     ref, optimizers = _reference(model)
-    engine = zero3.initialize(model, _factory, zero3.Zero3Config(param_persistence_threshold=0), ctx.group)
+    engine = zero3.initialize(model, _factory, zero3.Zero3Config(param_persistence_threshold=0, **(config or {})),
+                              ctx.group)
     mismatches = _train(ctx, engine, ref, optimizers, range(5))
     stats = engine.stats()
     momentum = {engine.param_names[pid]: engine.optimizer.state[m]["momentum_buffer"].numel()
@@ -146,6 +147,19 @@ def test_sharded_muon_equals_torch_muon_and_adamw(pools: PoolSet, world: int, tm
             assert mismatches == []
 
 
+@pytest.mark.parametrize("config", [
+    {"compute_dtype": "bf16"},  # fp32 masters of their own, bf16 compute
+    {"offload_optimizer": "OFFLOAD"},  # masters and momentum on the host, stepped behind the next forward
+])
+def test_sharded_muon_with_bf16_compute_and_offload(pools: PoolSet, config: dict[str, Any]) -> None:
+    from z3kit_recipes.zero3.config.offload import OffloadConfig
+
+    if "offload_optimizer" in config:
+        config = {"offload_optimizer": OffloadConfig()}
+    for r in pools.run(2, _parity_worker, "", config):
+        assert r["mismatches"] == [] and r["muon"].steps == 5
+
+
 def _refused_worker(ctx: WorkerContext) -> dict[str, Any]:
     from z3kit.sharded_muon import ShardedMuon
     from z3kit_recipes import zero3
@@ -174,3 +188,26 @@ def test_muon_group_with_a_vector_is_refused_and_the_json_names_muon(pools: Pool
         # DeepSpeed's rule: two or more dimensions, no "embed"/"lm_head" in the name
         assert r["json"].optimizer_of["blocks.0.attn.qkv.weight"] == "muon"
         assert r["json"].optimizer_of["blocks.0.ln1.bias"] == "adamw" and r["json"].steps == 1
+
+
+def test_deepspeed_json_muon_params_are_read_in_deepspeeds_spelling() -> None:
+    from z3kit_recipes import zero3
+    from z3kit_recipes.zero3.config.json_muon import JsonMuon, uses_muon
+
+    read = zero3.Zero3Config.from_deepspeed(
+        {"gradient_clipping": 0,
+         "optimizer": {"type": "muon", "params": {"lr": 0.05, "adam_lr": 1e-3, "weight_decay": 0.1, "betas": [0.8, 0.9]}}},
+        world=1)
+    assert read.optimizer == JsonMuon(muon_lr=0.05, adam_lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9))
+    assert JsonMuon.from_json({}) == JsonMuon(muon_lr=0.02, adam_lr=3e-4, momentum=0.95, weight_decay=0.0, eps=1e-10)
+    assert uses_muon("h.0.attn.c_attn.weight", (39, 13)) and uses_muon("conv.weight", (4, 3, 3, 3))
+    assert not uses_muon("model.embed_tokens.weight", (61, 13)) and not uses_muon("lm_head.weight", (61, 13))
+    assert not uses_muon("ln.weight", (13,))
+    for params, match in (({"ns_method": "gram"}, "ns_method is not supported"),
+                          ({"per_head_muon": True}, "per_head_muon is not supported"),
+                          ({"adam_w_mode": False}, "adam_w_mode false"),
+                          ({"nesterov": True}, "unsupported Muon parameters: optimizer.params.nesterov")):
+        with pytest.raises(ValueError, match=match):
+            JsonMuon.from_json(params)
+    with pytest.raises(TypeError, match="MasterShards"):
+        JsonMuon()([torch.nn.Parameter(torch.zeros(3))])
