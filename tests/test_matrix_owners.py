@@ -1,6 +1,9 @@
-"""z3kit.matrix_owners without a process group: owners, and both exchanges simulated rank by rank."""
+"""z3kit.matrix_owners: owners and both exchanges without a process group, simulated rank by
+rank; and a second optimizer composed from it (``z3kit.spectral_sgd``) against its unsharded form, on gloo."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from z3kit.matrix_owners import (
     unpack_slices,
 )
 from z3kit.partition import partition_of
+from tests.dist_pool import PoolSet, WorkerContext
 
 SHAPES = [(7, 5), (39, 13), (13, 13), (1, 9), (26, 13), (3, 2)]
 
@@ -72,3 +76,57 @@ def test_bad_slices_are_refused() -> None:
         pack_for_owners(plan, [])
     with pytest.raises(ValueError, match=r"expected \(3, 3\)"):
         pack_at_owner(plan, plan.owners[0], {0: torch.zeros(9)}, torch.float32, torch.device("cpu"))
+
+
+class _Shards:
+    """A ``ShardedParams`` over hand-cut shards."""
+
+    def __init__(self, group: Any, shards: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:
+        self._group = group
+        self._shapes = {id(s): torch.Size(shape) for s, shape in zip(shards, shapes)}
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    def full_shape(self, shard: torch.Tensor) -> torch.Size:
+        return self._shapes[id(shard)]
+
+    def name_of(self, shard: torch.Tensor) -> str:
+        return f"w{list(self._shapes).index(id(shard))}"
+
+
+def _spectral_worker(ctx: WorkerContext) -> dict[str, Any]:
+    from z3kit.spectral_sgd import ShardedSpectralSGD, spectral_sgd_reference
+
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(s, generator=g) for s in SHAPES]
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    bufs = [torch.zeros_like(t) for t in full]
+    shards = [torch.nn.Parameter(partition_of(t.reshape(-1), ctx.rank, ctx.world)) for t in full]
+    opt = ShardedSpectralSGD(shards, _Shards(ctx.group, shards, SHAPES), lr=0.05, momentum=0.8)
+    equal = []
+    for _ in range(5):
+        grads = [torch.randn(s, generator=g) for s in SHAPES]
+        for p, s, grad in zip(ref, shards, grads):
+            p.grad, s.grad = grad, partition_of(grad.reshape(-1), ctx.rank, ctx.world)
+        spectral_sgd_reference(ref, bufs, lr=0.05, momentum=0.8)
+        opt.step()
+        equal.append(all(torch.equal(s.detach(), partition_of(p.detach().reshape(-1), ctx.rank, ctx.world))
+                         for s, p in zip(shards, ref)))
+    moved = not torch.equal(ref[0].detach(), full[0])
+    vector = torch.nn.Parameter(torch.zeros(5))
+    try:
+        ShardedSpectralSGD([vector], _Shards(ctx.group, [vector], [(9,)]))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"equal": equal, "moved": moved, "refused": refused}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_spectral_sgd_on_shards_equals_its_unsharded_form(pools: PoolSet, world: int) -> None:
+    for r in pools.run(world, _spectral_worker):
+        assert r["equal"] == [True] * 5 and r["moved"]
+        assert "parameter 'w0' of shape (9,) is in a spectral SGD group, but spectral SGD steps 2-D matrices" \
+            in r["refused"]

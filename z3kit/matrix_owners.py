@@ -30,11 +30,13 @@ Note: one all-to-all each way.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from z3kit.device import device_type_for_backend
 from z3kit.partition import shard_numel_for
 from z3kit.validate import check_int, int_validator
 
@@ -218,3 +220,51 @@ def _rank_in(plan: MatrixPlan, group: ProcessGroup) -> int:
     if world != plan.world:
         raise ValueError(f"the plan is for {plan.world} ranks, the group has {world}")
     return dist.get_rank(group)
+
+
+def map_on_owners(
+    plan: MatrixPlan, slices: Sequence[torch.Tensor], group: ProcessGroup,
+    compute: Callable[[int, torch.Tensor], torch.Tensor], dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """``compute(i, matrix)`` once per matrix, on its owner, from the whole matrix
+    gathered from ``slices``; this rank's slice of every result (``dtype``, on the
+    slices' device). Collective over ``group``: two all-to-alls."""
+    whole = gather_to_owners(plan, slices, group)
+    results = {i: compute(i, m) for i, m in whole.items()}
+    return scatter_from_owners(plan, results, group, dtype, slices[0].device)
+
+
+class ShardedParams(Protocol):
+    """Where each flat shard comes from: its parameter's name and shape, and the
+    group it is cut over (the stock runtime's ``MasterShards`` is one)."""
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The process group the shards are cut over (rank ``r`` holds slice ``r``)."""
+
+    def full_shape(self, shard: torch.Tensor) -> torch.Size:
+        """The shape of the parameter ``shard`` is a slice of."""
+
+    def name_of(self, shard: torch.Tensor) -> str:
+        """The parameter's name in the model."""
+
+
+def check_matrix_shard(shards: ShardedParams, shard: torch.Tensor, optimizer: str, instead: str) -> None:
+    """Refuse, naming the parameter, a shard ``optimizer`` cannot step as a matrix:
+    not 2-D (``instead`` says what to do), not the flat 1/N slice of its
+    parameter, or on a device the group does not carry."""
+    shape, name = shards.full_shape(shard), shards.name_of(shard)
+    if len(shape) != 2:
+        raise ValueError(f"parameter {name!r} of shape {tuple(shape)} is in a {optimizer} group, but {optimizer} "
+                         f"steps 2-D matrices only; {instead}")
+    world = dist.get_world_size(shards.group)
+    device_type = device_type_for_backend(str(dist.get_backend(shards.group)))
+    if shard.device.type != device_type:
+        raise ValueError(
+            f"parameter {name!r}'s shard is on {shard.device}, but {optimizer} gathers it over a "
+            f"{dist.get_backend(shards.group)} group, which carries {device_type} tensors (an offloaded "
+            f"optimizer's host masters?); {optimizer}'s matrices move between ranks each step, so "
+            "offload_optimizer is refused with it off the CPU")
+    if shard.dim() != 1 or shard.numel() != shard_numel_for(shape.numel(), world):
+        raise ValueError(f"parameter {name!r}: {optimizer} needs its flat 1/{world} shard "
+                         f"({shard_numel_for(shape.numel(), world)} elements), got shape {tuple(shard.shape)}")

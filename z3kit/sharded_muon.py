@@ -39,35 +39,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from z3kit.device import device_type_for_backend
-from z3kit.matrix_owners import MatrixPlan, gather_to_owners, scatter_from_owners
-from z3kit.partition import shard_numel_for
+from z3kit.matrix_owners import MatrixPlan, ShardedParams, check_matrix_shard, map_on_owners
 
 #: torch.optim.Muon's defaults (torch 2.13), Keller Jordan's Newton-Schulz coefficients
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-class ShardedParams(Protocol):
-    """Where each shard comes from (``MasterShards`` is one)."""
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The process group the shards are cut over (rank ``r`` holds slice ``r``)."""
-
-    def full_shape(self, shard: torch.Tensor) -> torch.Size:
-        """The shape of the parameter ``shard`` is a slice of."""
-
-    def name_of(self, shard: torch.Tensor) -> str:
-        """The parameter's name in the model."""
 
 
 def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
@@ -151,7 +135,6 @@ class ShardedMuon(torch.optim.Optimizer):
         self.shards = shards
         self._group = shards.group
         self._world = dist.get_world_size(self._group)
-        self._device_type = device_type_for_backend(str(dist.get_backend(self._group)))
         adam_groups = [g for g in groups if isinstance(g, dict) and g.get("use_muon", True) is False]
         self._adamw_defaults = dict(adamw or {})
         # AdamW fills its defaults into its groups first; Muon's fill the rest (never overriding them)
@@ -178,22 +161,8 @@ class ShardedMuon(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _check_matrix(self, p: torch.Tensor) -> None:
-        shape = self.shards.full_shape(p)
-        name = self.shards.name_of(p)
-        if len(shape) != 2:
-            raise ValueError(
-                f"parameter {name!r} of shape {tuple(shape)} is in a Muon group (use_muon=True), but Muon "
-                "orthogonalizes 2-D matrices only (torch.optim.Muon refuses it too); put it in a group with "
-                "use_muon=False to step it with AdamW")
-        if p.device.type != self._device_type:
-            raise ValueError(
-                f"parameter {name!r}'s shard is on {p.device}, but Muon gathers it over a "
-                f"{dist.get_backend(self._group)} group, which carries {self._device_type} tensors (an offloaded "
-                "optimizer's host masters?); Muon's matrices move between ranks each step, so offload_optimizer "
-                "is refused with Muon off the CPU")
-        if p.dim() != 1 or p.numel() != shard_numel_for(shape.numel(), self._world):
-            raise ValueError(f"parameter {name!r}: Muon needs its flat 1/{self._world} shard "
-                             f"({shard_numel_for(shape.numel(), self._world)} elements), got shape {tuple(p.shape)}")
+        check_matrix_shard(self.shards, p, "Muon", "torch.optim.Muon refuses it too; put it in a group with "
+                           "use_muon=False to step it with AdamW")
 
     def _assignment(self, stepped: Sequence[torch.Tensor] | None = None) -> tuple[dict[str, str], dict[str, int]]:
         kinds = {self.shards.name_of(p): "muon" if g["use_muon"] else "adamw"
@@ -247,10 +216,11 @@ class ShardedMuon(torch.optim.Optimizer):
             updates.append(grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
         shapes = [self.shards.full_shape(p) for p, _ in entries]
         plan = MatrixPlan.balanced(shapes, self._world)
-        whole = gather_to_owners(plan, [u.float() for u in updates], self._group)
-        results = {i: newton_schulz(m, tuple(entries[i][1]["ns_coefficients"]), entries[i][1]["ns_steps"],
-                                    entries[i][1]["eps"]) for i, m in whole.items()}
-        slices = scatter_from_owners(plan, results, self._group, torch.bfloat16, updates[0].device)
+        def orthogonalized(i: int, matrix: torch.Tensor) -> torch.Tensor:
+            g = entries[i][1]
+            return newton_schulz(matrix, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+
+        slices = map_on_owners(plan, [u.float() for u in updates], self._group, orthogonalized, torch.bfloat16)
         for (p, g), piece, shape in zip(entries, slices, shapes):
             lr = float(g["lr"])
             p.mul_(1 - lr * g["weight_decay"])

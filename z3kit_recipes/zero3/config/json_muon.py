@@ -34,7 +34,8 @@ import attrs
 import torch
 from torch import nn
 
-from z3kit.sharded_muon import ShardedMuon, ShardedParams
+from z3kit.matrix_owners import ShardedParams
+from z3kit.sharded_muon import ShardedMuon
 from z3kit.validate import check_bool, check_number
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer, check_betas, implementation
 

@@ -62,7 +62,7 @@ class MasterShards(list[nn.Parameter]):
 
     ``group`` is the process group the shards are cut over (rank ``r`` of it
     holds slice ``r``): a matrix optimizer (``z3kit.sharded_muon``) gathers
-    over it; ``MasterShards`` is a ``z3kit.sharded_muon.ShardedParams``.
+    over it; ``MasterShards`` is a ``z3kit.matrix_owners.ShardedParams``.
     """
 
     def __init__(
