@@ -117,7 +117,9 @@ def render_memory(mem: MemoryFigures) -> list[str]:
 def _optimizer(spec: RunSpec) -> str:
     """The optimizer and its schedule: the job's, or the --config JSON's sections."""
     c = spec.config
-    if c.optimizer is None:
+    if c.optimizer is None and spec.optimizer == "muon":
+        said = f"Muon (match_rms_adamw) on the blocks' matrices and AdamW on the rest, lr {spec.lr:g}"
+    elif c.optimizer is None:
         said = f"AdamW lr {spec.lr:g}"
     elif isinstance(c.optimizer, JsonMuon):
         said = f"Muon lr {c.optimizer.muon_lr:g} and AdamW lr {c.optimizer.adam_lr:g} (--config's optimizer, weight " \
