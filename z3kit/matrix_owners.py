@@ -91,10 +91,11 @@ class MatrixPlan:
 
     @classmethod
     def balanced(
-        cls, shapes: Sequence[Sequence[int]], world: int, cost: Callable[[Sequence[int]], int] = newton_schulz_cost
+        cls, shapes: Sequence[Sequence[int]], world: int, cost: Callable[[Sequence[int]], int] | None = None
     ) -> MatrixPlan:
-        """Owners balanced by ``cost`` (default: Newton-Schulz's) over ``world`` ranks."""
-        return cls(shapes, world, assign_owners([cost(s) for s in shapes], world))
+        """Owners balanced by ``cost`` (None: ``newton_schulz_cost``) over ``world`` ranks."""
+        measure = newton_schulz_cost if cost is None else cost
+        return cls(shapes, world, assign_owners([measure(s) for s in shapes], world))
 
     def numel(self, i: int) -> int:
         return int(torch.Size(self.shapes[i]).numel())
@@ -107,9 +108,9 @@ class MatrixPlan:
         """The matrices ``rank`` owns, in order."""
         return tuple(i for i, o in enumerate(self.owners) if o == rank)
 
-    def load(self, rank: int, cost: Callable[[Sequence[int]], int] = newton_schulz_cost) -> int:
-        """The cost of the matrices ``rank`` owns."""
-        return sum(cost(self.shapes[i]) for i in self.owned_by(rank))
+    def load(self, rank: int) -> int:
+        """The Newton-Schulz cost of the matrices ``rank`` owns."""
+        return sum(newton_schulz_cost(self.shapes[i]) for i in self.owned_by(rank))
 
     def bytes_per_exchange(self, rank: int, itemsize: int) -> tuple[int, int]:
         """(bytes ``rank`` sends, bytes it receives) in one gather of ``itemsize``-byte
