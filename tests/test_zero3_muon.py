@@ -147,17 +147,19 @@ def test_sharded_muon_equals_torch_muon_and_adamw(pools: PoolSet, world: int, tm
             assert mismatches == []
 
 
-@pytest.mark.parametrize("config", [
-    {"compute_dtype": "bf16"},  # fp32 masters of their own, bf16 compute
-    {"offload_optimizer": "OFFLOAD"},  # masters and momentum on the host, stepped behind the next forward
+@pytest.mark.parametrize(("world", "config"), [
+    (2, {"compute_dtype": "bf16"}),  # fp32 masters of their own, bf16 compute
+    (2, {"offload_optimizer": "OFFLOAD"}),  # masters and momentum on the host, stepped behind the next forward
+    (4, {"mics_shard_size": 2}),  # HSDP: Muon within each shard group of 2, the replicas alike
 ])
-def test_sharded_muon_with_bf16_compute_and_offload(pools: PoolSet, config: dict[str, Any]) -> None:
+def test_sharded_muon_with_bf16_compute_offload_and_hsdp(pools: PoolSet, world: int, config: dict[str, Any]) -> None:
     from z3kit_recipes.zero3.config.offload import OffloadConfig
 
     if "offload_optimizer" in config:
         config = {"offload_optimizer": OffloadConfig()}
-    for r in pools.run(2, _parity_worker, "", config):
+    for r in pools.run(world, _parity_worker, "", config):
         assert r["mismatches"] == [] and r["muon"].steps == 5
+        assert set(r["muon"].owner_of.values()) == set(range(min(world, 2)))
 
 
 def _refused_worker(ctx: WorkerContext) -> dict[str, Any]:

@@ -181,10 +181,8 @@ class ShardedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
         start = time.perf_counter()
         entries = [(p, g) for g in self._muon_groups() for p in g["params"] if p.grad is not None]
         sent = received = 0

@@ -52,10 +52,8 @@ class ShardedSpectralSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
         entries = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not entries:
             return loss
