@@ -114,7 +114,7 @@ def _muon_lines(case: JSON) -> list[str]:
     sizes = []
     for name, r in ok.items():
         stats = r["engine_stats"]
-        engine = sum(c.get("bytes", 0) for c in stats["collectives"].values()) / MiB
+        engine = sum(c.get("bytes", 0) for c in stats.get("collectives", {}).values()) / MiB
         extra = stats.get("muon") or {}
         sizes.append(f"{name} {engine:.2f}" + (f" + {extra['bytes_sent'] / MiB:.2f} (Muon)" if extra else ""))
     lines.append(f"  bytes per step, MiB (rank 0; the engine log's collectives, plus Muon's sent): {', '.join(sizes)}")
