@@ -18,13 +18,14 @@ Note: one all-to-all each way.
     NCCL and HCCL all have it): for the gather, rank ``r`` sends to each
     owner ``d`` its slices of the matrices ``d`` owns, back to back, and
     receives from every rank its slice of each matrix it owns; the scatter
-    is the same exchange reversed. A rank sends and receives
-    ``(N - 1) / N`` of the owned matrices' padded bytes per exchange, in
-    sum over the ranks the bytes of one all-gather of those matrices
-    (``MatrixPlan.bytes_per_exchange``): a reduce-scatter-sized transfer
-    rather than the ``N`` times more of gathering every matrix everywhere.
-    The padding travels (it is at most ``N - 1`` elements a matrix); the
-    owner drops it and a receiver gets zeros there.
+    is the same exchange reversed. A rank sends its slice of each matrix
+    another rank owns and receives ``N - 1`` slices of each matrix it owns
+    (``MatrixPlan.bytes_per_exchange``). Summed over the ranks, each matrix
+    crosses once, less its owner's own slice: ``(N - 1) / N`` of its padded
+    bytes, ``1/N`` of what an all-gather of the matrices moves (every rank
+    receiving every matrix), and ``1/N`` of the gradients' reduce-scatter
+    of each step. The padding travels (at most ``N - 1`` elements a
+    matrix); the owner drops it and a receiver gets zeros there.
 """
 
 from __future__ import annotations
