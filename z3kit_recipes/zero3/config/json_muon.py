@@ -5,7 +5,10 @@ DeepSpeed's meaning (0.19.8: ``DeepSpeedEngine._muon_param_groups``,
 
 - which parameters get Muon: those of two or more dimensions whose name
   holds neither ``embed`` nor ``lm_head`` (read on the layer's shape, not
-  the shard's); every other trainable parameter gets the auxiliary AdamW;
+  the shard's); every other trainable parameter gets the auxiliary AdamW.
+  The rule reads names only: a GPT-2's token embedding, ``transformer.wte``
+  (tied to its head), has neither word and gets Muon, under DeepSpeed too;
+  ``stats().muon.optimizer_of`` shows it, and a factory keeps it on AdamW;
 - ``lr`` is both halves' learning rate unless ``muon_lr`` / ``adam_lr``
   set one; ``weight_decay`` applies to both; ``momentum`` is Muon's;
   ``betas`` and ``eps`` are AdamW's;
