@@ -85,7 +85,8 @@ class MatrixPlan:
 
     def __attrs_post_init__(self) -> None:
         if len(self.owners) != len(self.shapes):
-            raise ValueError(f"a plan needs one owner per matrix: {len(self.shapes)} matrices, {len(self.owners)} owners")
+            raise ValueError(
+                f"a plan needs one owner per matrix: {len(self.shapes)} matrices, {len(self.owners)} owners")
         bad = [o for o in self.owners if not (isinstance(o, int) and 0 <= o < self.world)]
         if bad:
             raise ValueError(f"owners must be ranks in [0, {self.world}), got {bad}")
