@@ -214,6 +214,7 @@ class ShardedMuon(torch.optim.Optimizer):
             updates.append(grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
         shapes = [self.shards.full_shape(p) for p, _ in entries]
         plan = MatrixPlan.balanced(shapes, self._world)
+
         def orthogonalized(i: int, matrix: torch.Tensor) -> torch.Tensor:
             g = entries[i][1]
             return newton_schulz(matrix, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
