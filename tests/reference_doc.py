@@ -40,6 +40,9 @@ PRIMITIVES: tuple[tuple[str, str], ...] = (
     ("SchedulePlanner", "z3kit.schedule_plan"),
     ("SchedulePlan", "z3kit.schedule_plan"),
     ("check_plan", "z3kit.schedule_plan"),
+    ("MatrixPlan", "z3kit.matrix_owners"),
+    ("map_on_owners", "z3kit.matrix_owners"),
+    ("ShardedMuon", "z3kit.sharded_muon"),
 )
 
 HEADER = """# Reference: the primitives

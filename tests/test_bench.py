@@ -164,6 +164,22 @@ def test_report_compares_with_ddp_and_shows_failed_runs() -> None:
     assert "memory budget 500 B" in text
 
 
+def test_report_shows_muon_bytes_and_time_beside_adams() -> None:
+    report = _synthetic_report()
+    runtimes = report["cases"][0]["runtimes"]  # type: ignore[index]
+    mib = 1 << 20
+    runtimes["z3kit"] = {**_run(0.2, 1.5, 3.0, 2.0, [1.0, 0.9]),
+                         "engine_stats": {"collectives": {"all_gather": {"calls": 2, "bytes": 3 * mib}}, "muon": None}}
+    runtimes["z3kit-muon"] = {**_run(0.3, 1.5, 3.0, 2.0, [1.0, 0.8]), "engine_stats": {
+        "collectives": {"all_gather": {"calls": 2, "bytes": 3 * mib}},
+        "muon": {"optimizer_of": {"a": "muon", "b": "muon", "c": "adamw"}, "owner_of": {"a": 0, "b": 1},
+                 "bytes_sent": mib // 2, "bytes_received": mib, "seconds": 0.0125, "steps": 2}}}
+    text = bench_report.render_table(report)
+    assert "z3kit-muon: Muon on 2 matrices, Adam on 1 parameters; Muon's last step on rank 0: 12.5 ms, " \
+        "sent 0.50 MiB, received 1.00 MiB" in text
+    assert "z3kit 3.00, z3kit-muon 3.00 + 0.50 (Muon)" in text
+
+
 def test_report_shows_compile_figures() -> None:
     report = _synthetic_report()
     report["meta"] = {"compile": "block", "compile_backend": "inductor"}

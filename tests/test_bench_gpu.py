@@ -73,13 +73,16 @@ def test_dry_run_reports_every_section(tmp_path: Path, world: int) -> None:
     timing = sections["timing"]
     assert timing["meaningful"] is False
     expected = {"z3kit/fsdp2", "z3kit_offload/z3kit", "z3kit_offload_fused/z3kit"} | (
-        set() if world == 1 else {"z3kit/deepspeed"})
+        {"z3kit_muon/z3kit"} if world == 1 else {"z3kit/deepspeed"})
     for model in ("gpt", "llama"):
         case = timing["cases"][model]
         assert set(case["ratios"]) == expected
         assert case["ratios"]["z3kit/fsdp2"] > 0 and case["ratios"]["z3kit_offload/z3kit"] > 0
         # the optimizer on the host changes where the step runs, not what it computes
         assert case["z3kit_offload"]["losses_rank0"] == case["z3kit"]["losses_rank0"]
+        if world == 1:  # Muon trains too, and not as Adam does
+            assert case["ratios"]["z3kit_muon/z3kit"] > 0
+            assert case["z3kit_muon"]["losses_rank0"][1:] != case["z3kit"]["losses_rank0"][1:]
         assert case["z3kit"]["median_s"] > 0 and case["fsdp2"]["median_s"] > 0
         if case["ratios"].get("z3kit/deepspeed") is None and world > 1:
             assert case["deepspeed"]["status"] == "skipped"  # only when DeepSpeed is not importable

@@ -610,6 +610,7 @@ def test_resume_at_another_world_size(saved_and_resumed: _Runs, tmp_path: Path, 
         (["--lr", "0.01"], "--lr"),
         (["--corpus-chars", "60000"], "--corpus-chars"),
         (["--steps", "3"], "--steps 3: the checkpoint is at step 3 already"),
+        (["--optimizer", "muon"], "--optimizer: adamw in the checkpoint, muon here"),
     ],
 )
 def test_resume_refuses_another_run(
@@ -647,3 +648,20 @@ def test_checkpoint_options_are_checked(argv: list[str], message: str, capsys: p
         train.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_optimizer_muon_trains_and_is_not_given_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--optimizer muon: Muon on the blocks' matrices, AdamW on the rest (one rank, in this process);
+    with a --config JSON that names an optimizer too, refused before anything starts."""
+    _torchrun_env(monkeypatch)
+    out = tmp_path / "muon"
+    assert train.main([*TINY_RUN, "--steps", "3", "--optimizer", "muon", "--out", str(out)]) == 0
+    assert "Muon (match_rms_adamw) on the blocks' matrices" in capsys.readouterr().out
+    losses = _losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {}}}))
+    assert train.main([*TINY_RUN, "--optimizer", "muon", "--config", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "--optimizer muon and --config" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     python -m z3kit_recipes.bench [--workload tiny|gpt|llama|all] [--world N[,N...]]
         [--steps N] [--warmup N]
-        [--runtimes ddp,fsdp2,fsdp2-noreshard,deepspeed,z3kit,z3kit-budget,z3kit-divergent,fsdp_blocks]
+        [--runtimes ddp,fsdp2,fsdp2-noreshard,deepspeed,z3kit,z3kit-budget,z3kit-divergent,fsdp_blocks,z3kit-muon]
         [--budget FRACTION|BYTES] [--threads auto|N] [--trial-steps N] [--probe-steps N]
         [--tie-mode hf|functional] [--zero-config JSON] [--pycache-dir DIR]
         [--out bench.json] [--plot]

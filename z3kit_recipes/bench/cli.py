@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-steps", type=int, default=2,
                    help="untimed instrumented steps after the measured ones (collectives, peaks)")
     p.add_argument("--runtimes", type=_parse_runtimes, default=list(DEFAULT_RUNTIMES),
-                   help="comma list of " + ",".join(RUNTIMES) + ", or all (default: all available but z3kit-divergent)")
+                   help="comma list of " + ",".join(RUNTIMES)
+                   + ", or all (default: all available but z3kit-divergent and z3kit-muon)")
     p.add_argument("--threads", type=_parse_threads, default=None,
                    help="intra-op threads per rank, or 'auto' (default): fastest for DDP")
     p.add_argument("--tie-mode", choices=TIE_MODES, default="hf",

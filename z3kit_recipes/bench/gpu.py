@@ -19,7 +19,8 @@ built from a config, in fp32 and bf16 compute:
    (``bench.gpu_large``): tokens/s and MFU of plain torch, FSDP2 and z3kit,
    and whether the host stays ahead of the device;
 5. step time of z3kit against FSDP2 (``fully_shard``), as a ratio, in fp32
-   (``bench.gpu_timing``);
+   (``bench.gpu_timing``); at world 1 also Muon (``z3kit.sharded_muon``)
+   against Adam;
 6. with 2 or more GPUs, all of it again at world 2, timed against DeepSpeed
    ZeRO-3 too when it is importable; otherwise the report says why not.
 

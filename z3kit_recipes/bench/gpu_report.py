@@ -12,7 +12,8 @@ SECTION_TITLES = {
     "host_syncs": "2. host syncs per training step (engine forward + backward + step)",
     "memory": "3. memory by phase: allocator peak against the engine's ledger",
     "large": "4. a ~1B Llama, bf16, world 1: tokens/s, MFU, and whether the host stays ahead of the device",
-    "timing": "5. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), and with optimizer offload, fp32",
+    "timing": "5. step time against FSDP2 (and DeepSpeed ZeRO-3 at world 2+), with optimizer offload, and Muon "
+              "against Adam at world 1, fp32",
 }
 
 

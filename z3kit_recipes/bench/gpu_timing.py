@@ -28,22 +28,28 @@ from z3kit_recipes.models import Workload
 #: z3kit with the optimizer state and masters on the host (``Zero3Config.offload_optimizer``): with the
 #: bench's Adam (the same math as ``z3kit``), and with torch's fused Adam, whose CPU kernel the host step wants
 OFFLOADED: Final = ("z3kit_offload", "z3kit_offload_fused")
+#: z3kit with Muon on the hidden matrices and Adam on the rest (``runners.z3kit_zero3.muon_and_adam``),
+#: at world 1: Muon's step against Adam's (Newton-Schulz in bf16 on the device)
+MUON: Final = "z3kit_muon"
+#: the runtimes whose ratio is to plain ``z3kit`` (the same runtime, another optimizer or where it steps)
+AGAINST_Z3KIT: Final = (*OFFLOADED, MUON)
 
 
 def runtimes(world: int) -> tuple[str, ...]:
     """The runtimes timed at ``world``; DeepSpeed last (see ``gpu_rank.sections``)."""
-    return ("z3kit", *OFFLOADED, "fsdp2") if world == 1 else ("z3kit", *OFFLOADED, "fsdp2", "deepspeed")
+    return ("z3kit", *OFFLOADED, MUON, "fsdp2") if world == 1 else ("z3kit", *OFFLOADED, "fsdp2", "deepspeed")
 
 
 def _runner(ctx: RankContext, wl: Workload, runtime: str) -> Runner:
-    if runtime == "z3kit" or runtime in OFFLOADED:
+    if runtime == "z3kit" or runtime in AGAINST_Z3KIT:
         from z3kit_recipes.bench.runners import adam, fused_adam
-        from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner
+        from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, muon_and_adam
         from z3kit_recipes.zero3.config.offload import OffloadConfig
 
         offload = OffloadConfig() if runtime in OFFLOADED else None
+        optimizer = fused_adam if runtime == "z3kit_offload_fused" else muon_and_adam if runtime == MUON else adam
         return Z3kitRunner(wl, ctx.group, attrs.evolve(ctx.config("fp32"), offload_optimizer=offload),
-                           optimizer=fused_adam if runtime == "z3kit_offload_fused" else adam)
+                           optimizer=optimizer)
     if runtime == "fsdp2":
         from z3kit_recipes.bench.runners.torch_native import FSDP2Runner
 
@@ -106,13 +112,15 @@ def merge(per_rank: list[JSON]) -> JSON:
     merged["ratios"] = {
         f"z3kit/{other}": (z3["median_s"] / merged[other]["median_s"]
                            if z3.get("status") == "ok" and merged[other]["status"] == "ok" else None)
-        for other in merged if other not in ("z3kit", *OFFLOADED, "ratios")
+        for other in merged if other not in ("z3kit", *AGAINST_Z3KIT, "ratios")
     }
-    for name in OFFLOADED:  # the offload cliff: a step with the optimizer on the host over one without
-        offloaded = merged.get(name, {})
-        merged["ratios"][f"{name}/z3kit"] = (
-            offloaded["median_s"] / z3["median_s"] if z3.get("status") == "ok" and offloaded.get("status") == "ok"
-            else None)
+    # the offload cliff (a step with the optimizer on the host over one without), and Muon's step over Adam's
+    for name in AGAINST_Z3KIT:
+        other = merged.get(name)
+        if other is not None:
+            merged["ratios"][f"{name}/z3kit"] = (
+                other["median_s"] / z3["median_s"] if z3.get("status") == "ok" and other.get("status") == "ok"
+                else None)
     return merged
 
 

@@ -100,6 +100,27 @@ def _compile_lines(case: JSON, meta: JSON) -> list[str]:
     return lines
 
 
+def _muon_lines(case: JSON) -> list[str]:
+    """With z3kit-muon: its Muon figures, and every z3kit runtime's bytes per step (the engine log's
+    collectives, plus Muon's two all-to-alls), side by side."""
+    ok = {name: r for name, r in case["runtimes"].items() if r["status"] == "ok" and r.get("engine_stats")}
+    muon = (ok.get("z3kit-muon") or {}).get("engine_stats", {}).get("muon")
+    if muon is None:
+        return []
+    kinds = list(muon["optimizer_of"].values())
+    lines = [f"  z3kit-muon: Muon on {kinds.count('muon')} matrices, Adam on {kinds.count('adamw')} parameters; "
+             f"Muon's last step on rank 0: {1000 * muon['seconds']:.1f} ms, sent {muon['bytes_sent'] / MiB:.2f} MiB, "
+             f"received {muon['bytes_received'] / MiB:.2f} MiB"]
+    sizes = []
+    for name, r in ok.items():
+        stats = r["engine_stats"]
+        engine = sum(c.get("bytes", 0) for c in stats.get("collectives", {}).values()) / MiB
+        extra = stats.get("muon") or {}
+        sizes.append(f"{name} {engine:.2f}" + (f" + {extra['bytes_sent'] / MiB:.2f} (Muon)" if extra else ""))
+    lines.append(f"  bytes per step, MiB (rank 0; the engine log's collectives, plus Muon's sent): {', '.join(sizes)}")
+    return lines
+
+
 def _case_title(case: JSON) -> str:
     params = case.get("total_params")
     size = "" if params is None else f": {params:,} parameters, {4 * params / MiB:.1f} MiB in fp32"
@@ -147,6 +168,7 @@ def render_table(report: JSON) -> str:
         if calibration is not None:
             lines.append(calibration)
         lines += _compile_lines(case, report.get("meta", {}))
+        lines += _muon_lines(case)
         lines.append("")
     lines += LEGEND
     return "\n".join(lines)

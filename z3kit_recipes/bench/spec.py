@@ -11,13 +11,17 @@ from z3kit_recipes.models import TieMode
 JSON = dict[str, Any]
 
 RuntimeName = Literal[
-    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent", "fsdp_blocks"
+    "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent", "fsdp_blocks",
+    "z3kit-muon",
 ]
 RUNTIMES: Final[tuple[RuntimeName, ...]] = (
     "ddp", "fsdp2", "fsdp2-noreshard", "deepspeed", "z3kit", "z3kit-budget", "z3kit-divergent", "fsdp_blocks",
+    "z3kit-muon",
 )
-#: what ``--runtimes`` runs when not given (z3kit-divergent measures an opt-in mode's price: ask for it)
-DEFAULT_RUNTIMES: Final[tuple[RuntimeName, ...]] = tuple(r for r in RUNTIMES if r != "z3kit-divergent")
+#: what ``--runtimes`` runs when not given (z3kit-divergent measures an opt-in mode's price, z3kit-muon
+#: another optimizer: ask for them)
+DEFAULT_RUNTIMES: Final[tuple[RuntimeName, ...]] = tuple(
+    r for r in RUNTIMES if r not in ("z3kit-divergent", "z3kit-muon"))
 #: what each runtime name stands for (the report's legend)
 RUNTIME_DESCRIPTIONS: Final[dict[RuntimeName, str]] = {
     "ddp": "DistributedDataParallel: a full replica on every rank",
@@ -32,10 +36,14 @@ RUNTIME_DESCRIPTIONS: Final[dict[RuntimeName, str]] = {
                        "in which the ranks agree on what to gather (the price of rank-divergent graphs)",
     "fsdp_blocks": "z3kit fsdp_blocks: sharded by the workload's blocks (as fsdp2), static prefetch of "
                    "the next block, per-block reduce-scatter",
+    "z3kit-muon": "z3kit zero3 with the shared section and Muon (z3kit.sharded_muon, lr MUON_LR) on the hidden "
+                  "matrices, Adam on the embeddings, head, norms and biases (another optimizer: its losses differ)",
 }
 
 #: Adam's learning rate in every runtime
 LR: Final = 1e-3
+#: z3kit-muon's Muon learning rate (torch.optim.Muon's other defaults)
+MUON_LR: Final = 0.02
 #: the workloads ``--workload all`` runs (llama only when asked: a step takes seconds)
 DEFAULT_WORKLOADS: Final[tuple[str, ...]] = ("tiny", "gpt")
 DEFAULT_STEPS: Final[dict[str, int]] = {"tiny": 30, "gpt": 15, "llama": 3}

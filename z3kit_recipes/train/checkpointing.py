@@ -77,7 +77,7 @@ def run_arguments(spec: RunSpec, vocab_sha256: str) -> dict[str, Any]:
         "seq_len": m.seq_len, "vocab_size": m.vocab_size, "vocab_sha256": vocab_sha256,
         "corpus_chars": spec.corpus_chars, "corpus_sha256": spec.corpus_digest, "seed": spec.seed,
         "batch_size": spec.batch_size, "lr": spec.lr, "gradient_accumulation_steps": spec.micro_steps,
-        "dtype": spec.config.compute_dtype,
+        "dtype": spec.config.compute_dtype, "optimizer": spec.optimizer,
     }  # fmt: skip
 
 
@@ -124,6 +124,8 @@ def mismatches(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     for key, option in (("seed", "--seed"), ("batch_size", "--batch-size"), ("lr", "--lr"), ("dtype", "--dtype")):
         if saved[key] != now[key]:
             out.append(f"{option}: {saved[key]} in the checkpoint, {now[key]} here")
+    if saved.get("optimizer", "adamw") != now["optimizer"]:  # checkpoints from before --optimizer: AdamW
+        out.append(f"--optimizer: {saved.get('optimizer', 'adamw')} in the checkpoint, {now['optimizer']} here")
     key = "gradient_accumulation_steps"
     if saved[key] != now[key]:
         out.append(f"--config: {key} {saved[key]} in the checkpoint, {now[key]} here")

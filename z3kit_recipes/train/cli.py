@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"error: --config {args.config}: {exc}", file=sys.stderr)
         return 2
+    if args.optimizer != "adamw" and values.config.optimizer is not None:
+        print(f"error: --optimizer {args.optimizer} and --config {args.config}'s optimizer section both name the "
+              "optimizer; drop one", file=sys.stderr)
+        return 2
     spec = RunSpec(
         model=model_config,
         config=values.config,
@@ -88,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume=None if args.resume is None else str(args.resume),
         init_from=None if args.init_from is None else str(args.init_from),
         export=None if args.export is None else str(args.export),
+        optimizer=args.optimizer,
     )
     if spec.export is not None:  # made here: a missing transformers stops the run before it starts
         from z3kit_recipes.train.tokenizer import tokenizer_files

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from z3kit.device import DeviceInfo
+from z3kit.sharded_muon import ShardedMuon
 from z3kit_recipes import zero3
 from z3kit_recipes.models import GPT
 from z3kit_recipes.train import checkpointing
@@ -40,6 +42,7 @@ from z3kit_recipes.train.report import (
 from z3kit_recipes.train.sample import generate
 from z3kit_recipes.train.spec import RunSpec
 from z3kit_recipes.zero3.training.timeline import TimelineEvent
+from z3kit_recipes.zero3.training.trainable import MasterShards
 
 
 @attrs.frozen
@@ -57,6 +60,20 @@ class _Trained:
     checkpoints: CheckpointFigures
 
 
+def muon_and_adamw(params: MasterShards, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer muon``: Muon on the blocks' matrices, with Moonshot's ``match_rms_adamw``
+    scaling so that AdamW's lr and weight decay carry over, and the job's AdamW on the rest."""
+    named = params.named()
+    on_muon = [len(params.full_shape(p)) == 2 and name.startswith("blocks.") for name, p in named]
+    groups: list[dict[str, Any]] = [
+        {"params": [p for (_, p), m in zip(named, on_muon) if m]},
+        {"params": [p for (_, p), m in zip(named, on_muon) if not m], "use_muon": False, "betas": ADAM_BETAS,
+         "eps": ADAM_EPS},
+    ]
+    return ShardedMuon(groups, params, lr=lr, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw",
+        adamw={"lr": lr, "weight_decay": WEIGHT_DECAY})
+
+
 def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: float) -> None:
     """Train, gather every rank's figures, and (rank 0) write and print the summary."""
     device = info.device
@@ -72,7 +89,8 @@ def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: flo
     lr = spec.lr
     # the --config JSON's optimizer section, when it has one, is the optimizer (initialize builds it)
     factory = None if spec.config.optimizer is not None else (
-        lambda params: torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY))
+        (lambda params: muon_and_adamw(params, lr)) if spec.optimizer == "muon" else
+        (lambda params: torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)))
     engine = zero3.initialize(GPT(spec.model), factory, spec.config)
     said: list[str] = []
     start, resumed_world = LoopStart(), None

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "train_micro_batch_size_per_gpu)")
     p.add_argument("--lr", type=_finite_float(positive=True),
                    help=f"peak AdamW learning rate (default {DEFAULT_LR}, or --config's optimizer lr)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw (default), or muon: torch.optim.Muon's update (z3kit.sharded_muon) on the blocks' "
+                   "matrices at --lr with match_rms_adamw scaling, AdamW on the embeddings, norms and biases "
+                   "(not with --config's optimizer section)")
     p.add_argument("--config", type=Path,
                    help="DeepSpeed JSON (with zero_optimization) or z3kit JSON (Zero3Config fields); its \"auto\" "
                    "values are the job's, its numbers replace the job's defaults, and one that contradicts an "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from z3kit.device import DeviceInfo
 from z3kit_recipes.train.checkpointing import CheckpointFigures
 from z3kit_recipes.zero3 import Zero3Stats
+from z3kit_recipes.zero3.config.json_muon import JsonMuon
 from z3kit_recipes.train.corpus import CharVocab, Corpus
 from z3kit_recipes.train.memory import KINDS, MemoryFigures
 from z3kit_recipes.train.report import Summary
@@ -116,8 +117,13 @@ def render_memory(mem: MemoryFigures) -> list[str]:
 def _optimizer(spec: RunSpec) -> str:
     """The optimizer and its schedule: the job's, or the --config JSON's sections."""
     c = spec.config
-    if c.optimizer is None:
+    if c.optimizer is None and spec.optimizer == "muon":
+        said = f"Muon (match_rms_adamw) on the blocks' matrices and AdamW on the rest, lr {spec.lr:g}"
+    elif c.optimizer is None:
         said = f"AdamW lr {spec.lr:g}"
+    elif isinstance(c.optimizer, JsonMuon):
+        said = f"Muon lr {c.optimizer.muon_lr:g} and AdamW lr {c.optimizer.adam_lr:g} (--config's optimizer, weight " \
+            f"decay {c.optimizer.weight_decay:g})"
     else:
         said = f"{'AdamW' if c.optimizer.adamw else 'Adam'} lr {spec.lr:g} (--config's optimizer, weight decay " \
             f"{c.optimizer.weight_decay:g})"

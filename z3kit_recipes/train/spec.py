@@ -46,6 +46,8 @@ class RunSpec:
     export: str | None = None
     #: (name, text) of the files ``--export`` writes beside the weights: the vocabulary's tokenizer
     export_files: tuple[tuple[str, str], ...] = ()
+    #: ``--optimizer``: "adamw", or "muon" (Muon on the blocks' matrices, AdamW on the rest)
+    optimizer: str = "adamw"
 
     @property
     def micro_steps(self) -> int:

@@ -129,11 +129,13 @@ def build_runner(spec: RunSpec, wl: Workload, group: dist.ProcessGroup) -> Runne
         from z3kit_recipes.bench.runners.fsdp_blocks import FsdpBlocksRunner
 
         return FsdpBlocksRunner(wl, group, compiled=compiled)
-    from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, budget_config, shared_config
+    from z3kit_recipes.bench.runners.z3kit_zero3 import Z3kitRunner, budget_config, muon_and_adam, shared_config
 
     config = budget_config(spec.zero, spec.budget) if spec.runtime == "z3kit-budget" else shared_config(spec.zero)
     if spec.runtime == "z3kit-divergent":
         config = attrs.evolve(config, divergent_graphs=True)
+    if spec.runtime == "z3kit-muon":
+        return Z3kitRunner(wl, group, config, compiled=compiled, optimizer=muon_and_adam)
     return Z3kitRunner(wl, group, config, compiled=compiled)
 
 
@@ -150,6 +152,7 @@ RUNTIME_MODULES: dict[RuntimeName, tuple[str, ...]] = {
     "z3kit": ("z3kit_recipes.zero3",),
     "z3kit-budget": ("z3kit_recipes.zero3",),
     "z3kit-divergent": ("z3kit_recipes.zero3",),
+    "z3kit-muon": ("z3kit_recipes.zero3", "z3kit.sharded_muon"),
     "fsdp_blocks": ("z3kit_recipes.fsdp_blocks",),
 }
 
@@ -180,7 +183,7 @@ def unavailable_reason(runtime: RuntimeName) -> str:
         _, why = _import_optional("deepspeed")
         if why:
             return f"deepspeed not importable ({why})"
-    elif runtime in ("z3kit", "z3kit-budget", "z3kit-divergent"):
+    elif runtime in ("z3kit", "z3kit-budget", "z3kit-divergent", "z3kit-muon"):
         _, why = _import_optional("z3kit_recipes.zero3")
         if why:
             return f"z3kit_recipes.zero3 not importable ({why})"

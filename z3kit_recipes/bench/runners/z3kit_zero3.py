@@ -9,12 +9,13 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from z3kit.sharded_muon import ShardedMuon
 from z3kit_recipes.bench.runners import CompileSpec, adam, engine_step
-from z3kit_recipes.bench.spec import JSON
+from z3kit_recipes.bench.spec import JSON, LR, MUON_LR
 from z3kit_recipes.models import Workload
 from z3kit_recipes.zero3 import Zero3Config, Zero3Stats, initialize
 from z3kit_recipes.zero3.config.config import BUDGET_DERIVED
-from z3kit_recipes.zero3.training.trainable import OptimizerFactory
+from z3kit_recipes.zero3.training.trainable import MasterShards, OptimizerFactory
 from z3kit_recipes.zero3.training.unit_rule import UnitRule
 
 
@@ -34,6 +35,22 @@ def budget_config(zero: JSON, budget: int | float) -> Zero3Config:
     """
     defaults: dict[str, Any] = {f.name: f.default for f in attrs.fields(Zero3Config) if f.name in BUDGET_DERIVED}
     return attrs.evolve(shared_config(zero), memory_budget=budget, **defaults)
+
+
+def hidden_matrix(name: str, shape: torch.Size) -> bool:
+    """Muon's usual share of a transformer: its 2-D weights but the embeddings and the head."""
+    return len(shape) == 2 and "emb" not in name and "head" not in name
+
+
+def muon_and_adam(params: MasterShards) -> torch.optim.Optimizer:
+    """z3kit-muon's optimizer: Muon on the hidden matrices, the bench's Adam (no weight decay) on the rest."""
+    named = params.named()
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in named if hidden_matrix(n, params.full_shape(p))]},
+        {"params": [p for n, p in named if not hidden_matrix(n, params.full_shape(p))], "use_muon": False,
+         "lr": LR, "weight_decay": 0.0},
+    ]
+    return ShardedMuon(groups, params, lr=MUON_LR)
 
 
 class Z3kitRunner:
@@ -103,4 +120,5 @@ def stats_report(stats: Zero3Stats, config: Zero3Config) -> JSON:
             "describe": plan.describe(),
         },
         "compile": None if stats.compile is None else attrs.asdict(stats.compile),
+        "muon": None if stats.muon is None else attrs.asdict(stats.muon),
     }

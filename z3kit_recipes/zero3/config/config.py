@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from z3kit.validate import bool_validator, int_validator, is_number, number_validator
 from z3kit_recipes.zero3.config.deepspeed_json import read_deepspeed, tell
+from z3kit_recipes.zero3.config.json_muon import JsonMuon
 from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
@@ -112,8 +113,8 @@ class Zero3Config:
     micro_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_validator(at_least=1)))
     #: the optimizer a DeepSpeed JSON names (built on the master shards when ``initialize``
     #: gets no factory); None: the factory's, or none
-    optimizer: JsonOptimizer | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(JsonOptimizer)))
+    optimizer: JsonOptimizer | JsonMuon | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of((JsonOptimizer, JsonMuon))))
     #: the learning-rate schedule a DeepSpeed JSON names (``engine.lr_scheduler``, stepped
     #: after each optimizer step)
     lr_scheduler: WarmupSchedule | None = attrs.field(

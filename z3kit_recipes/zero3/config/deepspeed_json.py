@@ -41,7 +41,7 @@ import attrs
 from z3kit.validate import check_int
 from z3kit_recipes.zero3.config import deepspeed_keys as keys
 from z3kit_recipes.zero3.config.auto import AUTO, resolve_auto
-from z3kit_recipes.zero3.config.json_optimizer import JsonOptimizer
+from z3kit_recipes.zero3.config.json_muon import optimizer_from_json
 from z3kit_recipes.zero3.config.loss_scale import LossScaleConfig
 from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 from z3kit_recipes.zero3.config.monitor import MonitorConfig
@@ -185,7 +185,7 @@ def read_deepspeed(
         raise ValueError(
             f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. z3kit does not implement them; "
             f"remove them. Supported: {', '.join(supported_keys())}")
-    for section, build in (("optimizer", JsonOptimizer.from_json), ("scheduler", WarmupSchedule.from_json)):
+    for section, build in (("optimizer", optimizer_from_json), ("scheduler", WarmupSchedule.from_json)):
         if section in ds:
             body = _section(ds, section)
             extra = sorted(k for k in body if k not in ("type", "params"))

@@ -46,7 +46,7 @@ from torch import nn
 from z3kit.validate import check_bool, check_number
 
 #: the optimizer types of a DeepSpeed JSON that z3kit builds
-OPTIMIZERS: Final = ("Adam", "AdamW")
+OPTIMIZERS: Final = ("Adam", "AdamW", "Muon")
 #: device types whose fused Adam kernel is part of torch itself (see the Note on torch's fused kernel)
 FUSED_DEVICES: Final = frozenset({"cpu", "cuda"})
 _PARAMS: Final = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
@@ -60,7 +60,7 @@ def implementation(params: Iterable[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if all(p.device.type in FUSED_DEVICES for p in params) else {"foreach": True}
 
 
-def _betas(value: Any) -> tuple[float, float]:
+def check_betas(value: Any) -> tuple[float, float]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise TypeError(f"optimizer.params.betas must be two numbers [beta1, beta2], got {value!r}")
     b1, b2 = (float(check_number("optimizer.params.betas", b, at_least=0.0)) for b in value)
@@ -76,13 +76,14 @@ class JsonOptimizer:
     #: decoupled weight decay (AdamW) rather than L2 (Adam)
     adamw: bool = True
     lr: float = 1e-3
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_betas)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=check_betas)
     eps: float = 1e-8
     weight_decay: float = 0.0
 
     @classmethod
     def from_json(cls, type_: Any, params: Mapping[str, Any]) -> JsonOptimizer:
-        """The ``optimizer`` section's ``type`` and ``params`` (``"auto"`` already filled)."""
+        """The ``optimizer`` section's ``type`` and ``params`` (``"auto"`` already filled; Muon
+        is ``zero3.config.json_muon``'s)."""
         name = type_.lower() if isinstance(type_, str) else type_
         if name not in ("adam", "adamw"):
             raise ValueError(

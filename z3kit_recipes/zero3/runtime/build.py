@@ -169,7 +169,7 @@ def assemble(
         pin=offload is not None and offload.pin_memory and device.type != "cpu",
     )
     names = [name for name, _ in named]
-    optimizer = _build_optimizer(optimizer_factory, MasterShards.of(layout, names, layout.master_of()), group, device)
+    optimizer = _build_optimizer(optimizer_factory, MasterShards.of(layout, names, layout.master_of(), topology.shard_group), group, device)
     # DeepSpeed's schedules set the optimizer's lr for the first step when they are made
     lr_scheduler = None if optimizer is None or config.lr_scheduler is None else config.lr_scheduler.build(optimizer)
 
@@ -264,7 +264,7 @@ def assemble(
         trainable_watch=TrainableWatch(
             layout, names, optimizer=optimizer, factory=optimizer_factory, reducer=reducer, backward=backward,
             watch=watch, memory=memory, micro_step=lambda: state.micro_step,
-            settle=(lambda: None) if optimizer_step is None else optimizer_step.settle,
+            settle=(lambda: None) if optimizer_step is None else optimizer_step.settle, group=topology.shard_group,
         ),
     )
 

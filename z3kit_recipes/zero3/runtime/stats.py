@@ -11,6 +11,7 @@ import attrs
 
 from z3kit.links import LinkClass
 from z3kit.memory import MemoryKind, MemoryReport, device_peak_bytes, storage_bytes
+from z3kit.sharded_muon import MuonReport, ShardedMuon
 from z3kit_recipes.zero3.compile.compiled import CompileStats
 from z3kit_recipes.zero3.config.budget import MemoryPlan
 from z3kit_recipes.zero3.runtime.build import EngineParts
@@ -87,6 +88,10 @@ class Zero3Stats:
     planner: str = ""
     plan_prefetches: int = 0
     plan_peak_live_numel: int = 0
+    #: a ``ShardedMuon`` optimizer's report (``z3kit.sharded_muon``): which parameter got Muon and which
+    #: AdamW, each Muon matrix's owner rank, the last step's Muon bytes and seconds (its two all-to-alls
+    #: are not in ``collectives``); None with any other optimizer
+    muon: MuonReport | None = None
 
     @property
     def comm_wait_share(self) -> float:
@@ -152,6 +157,10 @@ def _table(s: Zero3Stats) -> list[str]:
                      f"{c.last_step.recompiles} recompile(s), {c.last_step.graph_breaks} graph break(s)")
     if s.memory_plan is not None:
         lines.append(f"  memory plan           {s.memory_plan.describe()}")
+    if s.muon is not None:
+        m, kinds = s.muon, list(s.muon.optimizer_of.values())
+        lines.append(f"  muon                  {kinds.count('muon')} matrices on Muon, {kinds.count('adamw')} on AdamW; "
+                     f"last step sent {size(m.bytes_sent)}, received {size(m.bytes_received)}, {1000 * m.seconds:.1f} ms")
     return lines
 
 
@@ -196,4 +205,5 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         planner=coordinator.plans.planner_name,
         plan_prefetches=0 if coordinator.plans.summary is None else coordinator.plans.summary.prefetches,
         plan_peak_live_numel=0 if coordinator.plans.summary is None else coordinator.plans.summary.peak_live_numel,
+        muon=parts.optimizer.report if isinstance(parts.optimizer, ShardedMuon) else None,
     )

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from z3kit.collectives import ProcessGroup
 from z3kit.memory import MemoryLedger
 from z3kit_recipes.zero3.ranks.rank_watch import RankWatch
 from z3kit_recipes.zero3.training.backward import BackwardPass
@@ -58,25 +59,49 @@ class MasterShards(list[nn.Parameter]):
             {"params": [p for n, p in params.named() if len(params.full_shape(p)) >= 2], "weight_decay": 0.1},
             {"params": [p for n, p in params.named() if len(params.full_shape(p)) < 2], "weight_decay": 0.0},
         ], lr=1e-3)
+
+    ``group`` is the process group the shards are cut over (rank ``r`` of it
+    holds slice ``r``): a matrix optimizer (``z3kit.sharded_muon``) gathers
+    over it; ``MasterShards`` is a ``z3kit.matrix_owners.ShardedParams``.
     """
 
-    def __init__(self, masters: Sequence[nn.Parameter], names: Sequence[str], shapes: Sequence[torch.Size]) -> None:
+    def __init__(
+        self, masters: Sequence[nn.Parameter], names: Sequence[str], shapes: Sequence[torch.Size],
+        group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__(masters)
         # side tables by identity: a shard's name and shape are not attributes of the tensor
         self._names = {id(m): n for m, n in zip(masters, names)}
         self._shapes = {id(m): s for m, s in zip(masters, shapes)}
+        self._group = group
 
     @classmethod
-    def of(cls, layout: ShardLayout, names: Sequence[str], by_pid: Mapping[int, nn.Parameter]) -> MasterShards:
-        """The masters of ``by_pid`` (parameter id -> master shard), in parameter order."""
+    def of(
+        cls, layout: ShardLayout, names: Sequence[str], by_pid: Mapping[int, nn.Parameter], group: ProcessGroup | None,
+    ) -> MasterShards:
+        """The masters of ``by_pid`` (parameter id -> master shard), in parameter order, cut over ``group``."""
         pids = sorted(by_pid)
-        return cls([by_pid[p] for p in pids], [names[p] for p in pids], [layout.shards[p].shape for p in pids])
+        return cls([by_pid[p] for p in pids], [names[p] for p in pids], [layout.shards[p].shape for p in pids], group)
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The process group the shards are cut over."""
+        if self._group is None:
+            raise RuntimeError("these master shards were made without their process group")
+        return self._group
+
+    def name_of(self, shard: torch.Tensor) -> str:
+        """The name in the model of the parameter that ``shard`` is a slice of."""
+        name = self._names.get(id(shard))
+        if name is None:
+            raise KeyError("name_of() takes one of the master shards the factory was given")
+        return name
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
         """``(name in the model, master shard)`` for every shard, in order."""
         return [(self._names[id(m)], m) for m in self]
 
-    def full_shape(self, shard: nn.Parameter) -> torch.Size:
+    def full_shape(self, shard: torch.Tensor) -> torch.Size:
         """The shape of the parameter that ``shard`` is a slice of."""
         shape = self._shapes.get(id(shard))
         if shape is None:
@@ -105,8 +130,9 @@ class TrainableWatch:
         memory: MemoryLedger,
         micro_step: Callable[[], int],
         settle: Callable[[], None],
+        group: ProcessGroup | None = None,
     ) -> None:
-        self.layout, self.names = layout, names
+        self.layout, self.names, self.group = layout, names, group
         self.optimizer, self.factory, self.reducer, self.backward = optimizer, factory, reducer, backward
         self.watch, self.memory, self.micro_step = watch, memory, micro_step
         #: waits for an optimizer step still running (``zero3.training.offload``) before the optimizer changes
@@ -147,7 +173,7 @@ class TrainableWatch:
         masters = self.layout.new_masters(pids)
         everyone = dict(self.layout.master_of())
         everyone.update(zip(pids, masters))
-        groups = _groups_for(self.factory, MasterShards.of(self.layout, self.names, everyone), masters,
+        groups = _groups_for(self.factory, MasterShards.of(self.layout, self.names, everyone, self.group), masters,
                              len(self.optimizer.param_groups))
         # nothing has changed yet: from here on every step is applied
         self.layout.add_trainable(pids, masters)
