@@ -24,7 +24,9 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -108,6 +110,64 @@ def _exec_block(ctx: WorkerContext, code: str, name: str, cwd: str) -> str:
     return printed.getvalue()
 
 
+@contextlib.contextmanager
+def _accelerate_launch(ctx: WorkerContext) -> Iterator[None]:
+    """What ``accelerate launch --cpu`` gives each process (its rank in the environment), and
+    Accelerate's process-wide state reset afterwards, so that other tests in the pool start bare."""
+    from accelerate.state import AcceleratorState
+
+    saved = dict(os.environ)
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world), MASTER_ADDR="127.0.0.1", ACCELERATE_USE_CPU="true")
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _exec_accelerate_block(ctx: WorkerContext, code: str, name: str, cwd: str) -> dict[str, Any]:
+    """The README's Accelerate loop on this rank, then the same loop on Accelerate with DDP
+    (``accumulate`` over 2 micro-batches, as the engine's ``gradient_accumulation_steps=2``)."""
+    import torch
+    from accelerate import Accelerator
+    from z3kit_recipes.models import TinyMLP
+
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    with _accelerate_launch(ctx):
+        exec(compile(code, name, "exec"), namespace)
+        engine, accelerator = namespace["engine"], namespace["accelerator"]
+        out: dict[str, Any] = {"losses": namespace["losses"], "weights": engine.full_state_dict(),
+                               "left_alone": type(engine).__name__ == "Zero3Engine",  # not DDP around it
+                               "distributed": accelerator.distributed_type.value}
+        optimizer = accelerator.prepare(engine.optimizer)  # wrapped by Accelerate: its step() is refused
+        engine.backward(engine(torch.ones(2, 16)).sum())
+        try:
+            optimizer.step()
+        except RuntimeError as exc:
+            out["optimizer_step"] = str(exc)
+        engine.step()
+    with _accelerate_launch(ctx):
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        model = TinyMLP(depth=3, width=16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 16))
+        ddp, optimizer, loader = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+        out["twin_wrapped"] = type(ddp).__name__
+        out["twin_losses"] = []
+        for x, y in loader:
+            with accelerator.accumulate(ddp):
+                loss = torch.nn.functional.mse_loss(ddp(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            out["twin_losses"].append(loss.item())
+        out["twin_weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
 def _imported(code: str) -> set[str]:
     """The top-level packages a block imports."""
     names: set[str] = set()
@@ -123,6 +183,18 @@ def _imported(code: str) -> set[str]:
 def test_the_block_runs_on_two_ranks(block: Block, pools: PoolSet, tmp_path: Path) -> None:
     for package in sorted(_imported(block.code)):
         pytest.importorskip(package)  # peft and transformers come with the dev extra
+    if "accelerate" in _imported(block.code):  # at parity with Accelerate + DDP on the same data
+        import torch
+
+        for r in pools.run(2, _exec_accelerate_block, block.code, block.name(), str(tmp_path), timeout=120):
+            assert r["distributed"] == "MULTI_CPU" and r["left_alone"] and r["twin_wrapped"] == "DistributedDataParallel"
+            assert "Call engine.step() instead; nothing was changed" in r["optimizer_step"]
+            assert len(r["losses"]) == len(r["twin_losses"]) == 8  # 64 rows, batches of 4, half on each rank
+            torch.testing.assert_close(r["losses"], r["twin_losses"], rtol=1e-5, atol=0)
+            assert r["weights"].keys() == r["twin_weights"].keys()
+            for name, value in r["twin_weights"].items():
+                torch.testing.assert_close(r["weights"][name], value, rtol=1e-5, atol=1e-7)
+        return
     printed = pools.run(2, _exec_block, block.code, block.name(), str(tmp_path), timeout=120)
     assert len(printed) == 2  # both ranks ran it to the end
     if "print(engine.stats())" in block.code:

@@ -36,12 +36,13 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from z3kit_recipes.zero3.accelerate_prepared import mark_prepared
 from z3kit_recipes.zero3.deepspeed_call import NOT_A_TUPLE
 from z3kit_recipes.zero3.lockstep import generate as lockstep_generate
 from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights import checkpoint, deepspeed_import, full_values, pretrained, sixteen_bit
+from z3kit_recipes.zero3.weights import checkpoint, dcp_state, deepspeed_import, full_values, pretrained, sixteen_bit
 from z3kit_recipes.zero3.weights.model_state import ModelStateHooks
 from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
@@ -77,6 +78,7 @@ class Zero3Engine(EngineCore, nn.Module):
         EngineCore.__init__(self, parts)
         #: the model's own state_dict / load_state_dict, made honest (``zero3.weights.model_state``)
         self.model_state = ModelStateHooks(self)
+        mark_prepared(self)  # accelerator.prepare returns the engine as it is (``zero3.accelerate_prepared``)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -98,7 +100,8 @@ class Zero3Engine(EngineCore, nn.Module):
         raise RuntimeError(
             "engine.state_dict() would hold the parameters' empty placeholders, not their values: use "
             "engine.full_state_dict() (collective; every rank calls it), engine.module.state_dict() (the model's, "
-            "gathered; frozen parameters withheld), engine.save_pretrained(path) or engine.save_checkpoint(path)"
+            "gathered; frozen parameters withheld), engine.save_pretrained(path) or engine.save_checkpoint(path); "
+            "for DCP's get_state_dict/set_state_dict, hand them engine.dcp_view()"
         )
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -159,6 +162,13 @@ class Zero3Engine(EngineCore, nn.Module):
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
         return checkpoint.load_checkpoint(self, path)
+
+    def dcp_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The model and optimizer to hand ``torch.distributed.checkpoint``'s
+        ``get_state_dict``/``set_state_dict`` (FSDP2 scripts' ``dcp.save``/``dcp.load``):
+        parameters and optimizer state as this rank's flat DTensor slices under the
+        model's names, resumable at any world size (see ``zero3.weights.dcp_state``)."""
+        return dcp_state.dcp_view(self)
 
     def load_deepspeed_checkpoint(
         self, path: str | os.PathLike[str], *, tag: str | None = None, load_optimizer_hyperparameters: bool = False

@@ -43,26 +43,15 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, commit, read_manifest, staged, verify
+from z3kit_recipes.zero3.weights.flat_shards import flat_dtensor as _sharded
+from z3kit_recipes.zero3.weights.flat_shards import flat_mesh as _mesh
 from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
 from z3kit_recipes.zero3.weights.together import Together
 
 FORMAT_VERSION = 1
-
-
-_Mesh = tuple[DeviceMesh, list[Placement]]
-
-
-def _sharded(local_padded: torch.Tensor, numel: int, start: int, stop: int, mesh: _Mesh) -> DTensor:
-    """This rank's slice of a flattened tensor of ``numel`` elements (the
-    first ``stop - start`` elements of its padded local buffer) as a DTensor."""
-    local = local_padded.detach()[: stop - start]
-    return DTensor.from_local(local, mesh[0], mesh[1], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
 @attrs.frozen
@@ -83,14 +72,6 @@ def _entries(engine: EngineCore) -> list[_Entry]:
         master = masters.get(pid)
         out.append(_Entry(pid, engine.param_names[pid], shard.shard if master is None else master, master))
     return out
-
-
-def _mesh(engine: EngineCore) -> _Mesh:
-    """The mesh the shards are DTensors over, and their placements (see the Note on HSDP)."""
-    topology = engine.topology
-    if topology.mesh is None:
-        return DeviceMesh.from_group(topology.shard_group, engine.device.type), [Shard(0)]
-    return topology.mesh, [Replicate(), Shard(0)]
 
 
 def save_checkpoint(engine: EngineCore, path: str | os.PathLike[str], client_state: dict[str, Any] | None) -> None:
