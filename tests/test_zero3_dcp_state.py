@@ -4,7 +4,8 @@ The script is FSDP2's: ``get_state_dict`` then ``dcp.save``; to resume, a new
 process group and a new engine, ``get_state_dict``, ``dcp.load`` and
 ``set_state_dict``. Saved at 2 ranks, resumed at 2 and then at 3, it matches
 an uninterrupted run (losses and final weights; the Adam state bit for bit).
-A ``set_state_dict`` with a missing or misnamed entry is refused on every rank,
+Separate fp32 masters (bf16), a tied head and frozen blocks resume exactly. A
+``set_state_dict`` with a missing or misnamed entry is refused on every rank,
 with nothing applied; the calls that cannot work name what to use.
 """
 
@@ -190,3 +191,46 @@ def test_set_state_dict_with_a_wrong_entry_is_refused_everywhere_with_nothing_ap
         assert r["sound"] is None and not r["sound_untouched"] and r["sound_loaded"]
         assert "engine.dcp_view()" in r["engine_itself"]
         assert "accumulation window is open" in r["open_window"] and "engine.save_checkpoint" in r["open_window"]
+
+
+# -- separate fp32 masters, a tied head, frozen parameters ----------------------------------------
+def run_bf16_tied_frozen(ctx: WorkerContext, root: str) -> dict[str, Any]:
+    from z3kit_recipes import zero3
+    from z3kit_recipes.models import GPT, GPTConfig
+
+    group = fresh_group(ctx)
+
+    def build(seed: int) -> Any:
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(vocab_size=32, width=16, n_layer=2, n_head=2, seq_len=8))  # lm head tied to tok_emb
+        for name, p in model.named_parameters():
+            p.requires_grad_("blocks.0." not in name)
+        return zero3.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                zero3.Zero3Config(compute_dtype="bf16", param_persistence_threshold=0), group)
+
+    def train(engine: Any, steps: range) -> None:
+        for step in steps:
+            ids = torch.randint(32, (2, 9), generator=torch.Generator().manual_seed(10 * step + ctx.rank))
+            logits = engine(ids[:, :-1]).float()
+            engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
+            engine.step()
+
+    saved = build(0)
+    train(saved, range(3))
+    _save(saved, group, root)
+    resumed = build(5)
+    _resume(resumed, group, root)
+    a, b = full_optimizer_state(saved), full_optimizer_state(resumed)
+    out = {"masters": all(torch.equal(x, y) for x, y in zip(saved.masters, resumed.masters)),
+           "shards": all(torch.equal(x.shard, y.shard) for x, y in zip(saved.shards, resumed.shards)),
+           "optim": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "trainable": len(saved.masters)}
+    train(saved, range(3, 5))
+    train(resumed, range(3, 5))
+    x, y = saved.full_state_dict(), resumed.full_state_dict()
+    out["continued"] = all(torch.equal(x[n], y[n]) for n in x)
+    return out
+
+
+def test_bf16_masters_a_tied_head_and_frozen_blocks_resume_exactly(pools: PoolSet, tmp_path: Path) -> None:
+    for r in pools.run(2, run_bf16_tied_frozen, str(tmp_path / "ckpt")):
+        assert r["trainable"] > 0 and r["masters"] and r["shards"] and r["optim"] and r["continued"], r

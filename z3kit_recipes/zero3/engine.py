@@ -107,7 +107,8 @@ class Zero3Engine(EngineCore, nn.Module):
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "engine.load_state_dict() cannot write into sharded parameters: use engine.load_pretrained(path), "
-            "engine.load_checkpoint(path), or change values inside engine.gathered_parameters(modifier_rank=0)"
+            "engine.load_checkpoint(path), or change values inside engine.gathered_parameters(modifier_rank=0); "
+            "for DCP's set_state_dict, hand it engine.dcp_view()"
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> Zero3Engine:
