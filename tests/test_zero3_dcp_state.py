@@ -164,11 +164,31 @@ def run_refusals(ctx: WorkerContext, root: str) -> dict[str, Any]:
                                     and engine.optimizer.param_groups[0]["lr"] == 0.5)
     out["sound_loaded"] = (all(torch.equal(engine.full_state_dict()[n], v) for n, v in saved.items())
                            and engine.optimizer.param_groups[0]["lr"] == 1e-2)
-    # the calls that cannot work name what to use, before anything changes
+    # the calls that cannot work name what to use, and change nothing
     try:
         get_state_dict(engine, engine.optimizer)
     except RuntimeError as exc:
         out["engine_itself"] = str(exc)
+    optim = full_optimizer_state(engine)
+    try:
+        get_state_dict(engine.module, engine.optimizer)
+    except RuntimeError as exc:
+        out["engine_optimizer"] = str(exc)
+    out["engine_optimizer_untouched"] = all(torch.equal(full_optimizer_state(engine)[k], v) for k, v in optim.items())
+    fresh, twin = _engine(group, seed=3), _engine(group, seed=3)  # not stepped yet: DCP would make their state
+    try:
+        get_state_dict(fresh.module, fresh.optimizer)
+    except RuntimeError as exc:
+        out["fresh_refused"] = "engine.dcp_view()" in str(exc) and not fresh.optimizer.state
+    try:  # torch fails before any call of the optimizer's that could refuse: its zero step is undone at the next step
+        set_state_dict(fresh.module, fresh.optimizer, model_state_dict={}, optim_state_dict=optim_sd)
+    except KeyError:
+        out["fresh_set_keyerror"] = True
+    _train(fresh, group, range(1))
+    _train(twin, group, range(1))
+    a, b = full_optimizer_state(fresh), full_optimizer_state(twin)
+    out["fresh_as_twin"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and all(
+        torch.equal(x, y) for x, y in zip(fresh.masters, twin.masters))
     engine.backward(torch.nn.functional.mse_loss(engine(torch.ones(2, 8)), torch.zeros(2, 8)))
     try:
         get_state_dict(model, optimizer)
@@ -190,6 +210,8 @@ def test_set_state_dict_with_a_wrong_entry_is_refused_everywhere_with_nothing_ap
             assert r[f"{case}_untouched"], case
         assert r["sound"] is None and not r["sound_untouched"] and r["sound_loaded"]
         assert "engine.dcp_view()" in r["engine_itself"]
+        assert "given engine.optimizer" in r["engine_optimizer"] and "engine.dcp_view()" in r["engine_optimizer"]
+        assert r["engine_optimizer_untouched"] and r["fresh_refused"] and r["fresh_set_keyerror"] and r["fresh_as_twin"]
         assert "accumulation window is open" in r["open_window"] and "engine.save_checkpoint" in r["open_window"]
 
 

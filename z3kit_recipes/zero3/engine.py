@@ -43,6 +43,7 @@ from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.core import EngineCore
 from z3kit_recipes.zero3.weights import checkpoint, dcp_state, deepspeed_import, full_values, pretrained, sixteen_bit
+from z3kit_recipes.zero3.weights.dcp_refusal import DcpRefusal
 from z3kit_recipes.zero3.weights.model_state import ModelStateHooks
 from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
@@ -79,6 +80,8 @@ class Zero3Engine(EngineCore, nn.Module):
         #: the model's own state_dict / load_state_dict, made honest (``zero3.weights.model_state``)
         self.model_state = ModelStateHooks(self)
         mark_prepared(self)  # accelerator.prepare returns the engine as it is (``zero3.accelerate_prepared``)
+        if self.optimizer is not None:  # DCP's calls given engine.optimizer: refused by name (``zero3.weights.dcp_refusal``)
+            DcpRefusal(self.optimizer)
 
     def __getattr__(self, name: str) -> Any:
         try:
