@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights.dcp_optimizer import ReplacedState, check_usable
+from z3kit_recipes.zero3.weights.dcp_optimizer import ReplacedState, check_usable, held_parameters
 from z3kit_recipes.zero3.weights.flat_shards import flat_dtensor, flat_mesh, local_slice
 from z3kit_recipes.zero3.weights.pretrained import persistent_buffers
 from z3kit_recipes.zero3.weights.together import Together
@@ -81,11 +81,7 @@ class ShardedModelView(nn.Module):
         engine: EngineCore = self._engine
         if not isinstance(state_dict, dict):
             raise ValueError(f"the model's state dict is a {type(state_dict).__name__}, not a dict")
-        index = {id(s.param): pid for pid, s in enumerate(engine.shards)}
-        names: dict[int, list[str]] = {}  # a tied parameter has several
-        for name, p in engine.module.named_parameters(remove_duplicate=False):
-            if id(p) in index:
-                names.setdefault(index[id(p)], []).append(name)
+        names = {pid: [name for name, _ in held] for pid, held in held_parameters(engine).items()}  # tied: several
         mesh, errors, missing = flat_mesh(engine), [], []
         values: dict[int, torch.Tensor] = {}
         for pid, shard in enumerate(engine.shards):
@@ -110,7 +106,8 @@ class ShardedModelView(nn.Module):
         known = {n for ns in names.values() for n in ns} | set(persistent_buffers(engine.module))
         unexpected = [k for k in state_dict if k not in known]
         if strict and (missing or unexpected):
-            errors[:0] = [f"{what}: {', '.join(map(repr, keys[:6]))}" + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+            errors[:0] = [f"{what}: {', '.join(map(repr, keys[:6]))}"
+                          + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
                           for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         if assign:
             errors.append("assign=True: the parameters are sharded and stay the engine's; their values are copied in")

@@ -50,6 +50,20 @@ class ReplacedState:
         self.previous = None
 
 
+def held_parameters(engine: EngineCore) -> dict[int, list[tuple[str, torch.Tensor]]]:
+    """Each parameter's names and the object the model holds under each now, by
+    parameter id: the objects ``model.named_parameters()`` gives DCP (a parameter
+    may be held in one form between uses and another while gathered; tied names share one)."""
+    index = {id(s.param): pid for pid, s in enumerate(engine.shards)}
+    index.update((id(s.between_uses), pid) for pid, s in enumerate(engine.shards)
+                 if getattr(s, "between_uses", None) is not None)
+    held: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) in index:
+            held.setdefault(index[id(p)], []).append((name, p))
+    return held
+
+
 def _padded(local: torch.Tensor, held: Any, master: torch.Tensor) -> torch.Tensor:
     """``local`` as a state tensor shaped like ``master``: the one held now when
     ``local`` is its own view (``dcp.load`` wrote it in place), else a new one."""
@@ -76,11 +90,16 @@ class ShardedOptimizerView(torch.optim.Optimizer):
         """Parameter id of each master, by the master's identity."""
         return {id(master): pid for pid, master in self._engine.layout.master_of().items()}
 
+    def _model_params(self) -> dict[int, torch.Tensor]:
+        """The model's parameter object for each master, by the master's identity."""
+        held = held_parameters(self._engine)
+        return {id(m): held[pid][0][1] for pid, m in self._engine.layout.master_of().items()}
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """``engine.optimizer``'s groups (new dicts), each master replaced by its model parameter."""
-        shards, pids = self._engine.shards, self._pids()
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [shards[pids[id(m)]].param for m in g["params"]]}
+        params = self._model_params()
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[id(m)] for m in g["params"]]}
                 for g in self.inner.param_groups]
 
     @param_groups.setter
@@ -89,19 +108,27 @@ class ShardedOptimizerView(torch.optim.Optimizer):
 
     @property
     def state(self) -> defaultdict[torch.Tensor, Any]:
-        """``engine.optimizer``'s state (the same per-parameter dicts), keyed by the model's parameters."""
-        shards, pids = self._engine.shards, self._pids()
-        return defaultdict(dict, {shards[pids[id(m)]].param: s for m, s in self.inner.state.items() if id(m) in pids})
+        """``engine.optimizer``'s state (the same per-parameter dicts; empty
+        ones where it has none yet), keyed by the model's parameters. Never
+        empty while something trains, so that DCP's ``_init_optim_state`` leaves
+        the model's parameters alone: ``state_dict()`` makes a first state."""
+        params, masters = self._model_params(), self._engine.layout.master_of().values()
+        return defaultdict(dict, {params[id(m)]: self.inner.state.get(m, {}) for m in masters})
 
     @state.setter
     def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         raise AttributeError(_READ_ONLY)
 
     def step(self, closure: Any = None) -> Any:
-        """DCP's ``_init_optim_state`` only: make the state of an optimizer that has not stepped yet."""
-        if self.inner.state:
-            raise RuntimeError("the DCP view of engine.optimizer steps nothing: train with engine.step()")
-        check_usable(self._engine, "get_state_dict (the optimizer's first state)")
+        """Refused: the view steps nothing."""
+        raise RuntimeError("the DCP view of engine.optimizer steps nothing: train with engine.step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine clears its gradients when it steps."""
+
+    def _make_state(self) -> None:
+        """The first state of an optimizer that has not stepped, made as DCP
+        makes it (a step of zero gradients at learning rate 0), the masters put back."""
         masters = [m for g in self.inner.param_groups for m in g["params"]]
         kept = [m.detach().clone() for m in masters]
         lrs = [g.get("lr") for g in self.inner.param_groups]
@@ -120,19 +147,14 @@ class ShardedOptimizerView(torch.optim.Optimizer):
                 for m, values in zip(masters, kept):
                     m.grad = None
                     m.copy_(values)
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the zero gradients DCP gave the model's parameters to make the state."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         """Positions as ``Optimizer.state_dict`` has them; state shaped like a master as flat DTensors."""
         engine: EngineCore = self._engine
         check_usable(engine, "get_state_dict (the optimizer)")
         self._replaced.drop()
+        if not self.inner.state:  # what DCP would make: something for dcp.load to read into
+            self._make_state()
         mesh, pids = flat_mesh(engine), self._pids()
         state: dict[int, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []

@@ -51,9 +51,10 @@ Note: what the view carries, and what it refuses.
     or misshapen entry is refused on every rank before anything is written;
     DCP loads the optimizer before the model, so a refused model load puts
     back what the optimizer load just replaced. Before the optimizer's first
-    step its state does not exist: DCP makes it with a step of zero
-    gradients at learning rate 0, as under FSDP2; here the masters are put
-    back after that step, bit for bit.
+    step its state does not exist: the view's ``state_dict()`` makes it as
+    DCP does under FSDP2, with a step of zero gradients at learning rate 0
+    (the masters put back after it, bit for bit), and the view's ``state``
+    is never empty, so that DCP itself never sets the model's gradients.
 """
 
 from __future__ import annotations
