@@ -161,7 +161,7 @@ def run_surface(ctx: WorkerContext, root: str) -> dict[str, Any]:
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                 config=JSON)
     out["tuple"] = (optimizer is engine.optimizer, loader, scheduler)
-    out["missing"] = _outcome(lambda: engine.no_such_thing)
+    out["no_attribute"] = _outcome(lambda: engine.no_such_thing)
     out["deepspeed_only"] = _outcome(lambda: engine.deepspeed_io)
     out["hasattr"] = hasattr(engine, "deepspeed_io") or hasattr(engine, "no_such_thing")
     for step in range(2):
@@ -169,7 +169,11 @@ def run_surface(ctx: WorkerContext, root: str) -> dict[str, Any]:
         engine.step()
     out["surface"] = (engine.global_rank, engine.world_size, engine.global_steps, engine.micro_steps,
                       engine.global_samples, engine.train_batch_size(), engine.is_gradient_accumulation_boundary())
-    out["nothing_yet"] = engine.load_checkpoint(os.path.join(root, "nothing_here"))
+    if ctx.rank == 0:
+        Path(root, "empty").mkdir(parents=True)
+    torch.distributed.barrier(ctx.group)
+    out["nothing_yet"] = engine.load_checkpoint(os.path.join(root, "empty"))  # DeepSpeed's (None, None)
+    out["missing"] = _outcome(engine.load_checkpoint, os.path.join(root, "misspelt"))
     engine.save_checkpoint(root, client_state={"at": 2})  # tag global_step2
     engine.save_checkpoint(root, tag=7, client_state={"at": 7}, save_latest=False)
     out["latest"] = Path(root, "latest").read_text().strip()
@@ -195,13 +199,14 @@ def test_tags_latest_and_refusals_name_the_engine(pools: PoolSet, tmp_path: Path
         assert "params.named()" in out["groups"] and "keeps your 2 groups" in out["groups"]
         assert "training_data: z3kit makes no data loader" in out["training_data"]
         assert out["tuple"] == (True, None, None)
-        assert out["missing"] == ("AttributeError: 'Zero3Engine' object has no attribute 'no_such_thing', nor has "
+        assert out["no_attribute"] == ("AttributeError: 'Zero3Engine' object has no attribute 'no_such_thing', nor has "
                                   "the Sequential it trains")
         assert out["deepspeed_only"].startswith("AttributeError: Zero3Engine has no 'deepspeed_io' (DeepSpeed's "
                                                 "engine has): z3kit makes no data loader")
         assert out["hasattr"] is False
         assert out["surface"] == (rank, 2, 2, 2, 12, 6, True)
         assert out["nothing_yet"] == (None, None)
+        assert out["missing"].startswith("FileNotFoundError: no checkpoint at ") and "misspelt" in out["missing"]
         assert out["latest"] == "global_step2"  # the tag=7 save did not touch it
         assert out["loaded"] == (str(root / "global_step2"), {"at": 2})
         assert out["tagged"] == {"at": 7}
@@ -211,7 +216,7 @@ def test_tags_latest_and_refusals_name_the_engine(pools: PoolSet, tmp_path: Path
         assert "tag 'a/b' must name one folder" in out["bad_tag"]
         assert out["latest_folder"].startswith("SaveRefused: save_checkpoint(") and "nothing was written" in \
             out["latest_folder"]
-    assert sorted(p.name for p in root.iterdir()) == ["7", "blocked", "global_step2", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["7", "blocked", "empty", "global_step2", "latest"]
     assert sorted(p.name for p in (root / "blocked").iterdir()) == ["latest"]  # nothing written beside it
 
 

@@ -58,7 +58,11 @@ class Zero3Engine(DeepSpeedSurface, nn.Module):
         (names prefixed ``module.``) and ``modules()`` reach the model, and
         an attribute the engine does not have is the model's
         (``engine.config`` is a Hugging Face model's config; the engine's
-        own is ``zero3_config``). Between uses a parameter holds no values
+        own is ``zero3_config``); one neither has raises an
+        ``AttributeError`` naming the engine, and what z3kit writes instead
+        for DeepSpeed's engine names it does not have. DeepSpeed's names it
+        does have (``global_rank``, ``global_steps``, ``train_batch_size()``,
+        ...) are ``DeepSpeedSurface``'s (``zero3.deepspeed_surface``). Between uses a parameter holds no values
         (its shape is ``(0,)``); its full shape and size are
         ``param.ds_shape`` and ``param.ds_numel``, DeepSpeed's names, which
         Hugging Face reads. What torch, Hugging Face and PEFT read through

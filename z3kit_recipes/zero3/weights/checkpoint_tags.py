@@ -13,9 +13,11 @@ anything is written: DeepSpeed's ``tag_validation`` at "Fail").
 tag, the tag ``load_dir/latest`` names, or ``load_dir`` itself where it is a
 checkpoint (a folder with z3kit's manifest, as older z3kit saves and the
 main job's ``checkpoint-N`` folders are). It returns DeepSpeed's
-``(path loaded, client_state)``. Where ``load_dir`` does not exist or is an
-empty folder (nothing saved yet), it returns ``(None, None)`` with a warning,
-as DeepSpeed does, so that a script's resume-if-present idiom works.
+``(path loaded, client_state)``. Where ``load_dir`` is an empty folder
+(nothing saved yet), it returns ``(None, None)`` with a warning, as
+DeepSpeed does, so that a script's resume-if-present idiom works; a
+``load_dir`` that does not exist is refused, naming it (``FileNotFoundError``:
+a misspelt path does not start a run afresh, where DeepSpeed's would).
 
 Note: ``latest`` is replaced only when it is one.
     A save never deletes what it did not write: an existing ``latest`` is
@@ -122,9 +124,9 @@ def _source(load_dir: Path, tag: object) -> Path | None:
         if named is None:
             raise ValueError(f"{latest} does not hold a tag (one line): pass tag= to load_checkpoint")
         return load_dir / _check_tag(named)
-    if not load_dir.exists() or (load_dir.is_dir() and not any(load_dir.iterdir())):
+    if load_dir.is_dir() and not load_dir.is_symlink() and not any(load_dir.iterdir()):
         return None
-    return load_dir  # a folder of something else: the checkpoint reader says what is wrong with it
+    return load_dir  # missing, or a folder of something else: the checkpoint reader says which
 
 
 def load_tagged(engine: EngineCore, load_dir: str | os.PathLike[str], tag: object) -> tuple[str | None, Any]:
@@ -133,8 +135,8 @@ def load_tagged(engine: EngineCore, load_dir: str | os.PathLike[str], tag: objec
     source = together.decided(lambda: _source(Path(load_dir), tag))
     if source is None:
         if engine.rank == 0:
-            warnings.warn(f"load_checkpoint({str(load_dir)!r}): nothing saved there yet (no {LATEST} file, no "
-                          "checkpoint); returning (None, None), as DeepSpeed does, and loading nothing",
+            warnings.warn(f"load_checkpoint({str(load_dir)!r}): nothing saved there yet (an empty folder); returning "
+                          "(None, None), as DeepSpeed does, and loading nothing",
                           stacklevel=3)
         return None, None
     client = checkpoint.load_checkpoint(engine, source)
