@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from tests.dist_pool import PoolSet, WorkerContext
+from tests.errors import raised
 
 SCRIPT = Path(__file__).parent / "data" / "deepspeed_tutorial.py"
 Z3KIT_IMPORT = "from z3kit_recipes.zero3 import deepspeed"
@@ -131,14 +132,6 @@ def test_a_deepspeed_script_with_its_import_changed_trains_as_deepspeed(
 # --------------------------------------------------------------------------- #
 
 
-def _outcome(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
-        return f"{type(e).__name__}: {e}"
-    return "ok"
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -154,15 +147,15 @@ def run_surface(ctx: WorkerContext, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     model = _model()
-    out["subset"] = _outcome(deepspeed.initialize, model=model, model_parameters=[model[0].weight], config=JSON)
-    out["groups"] = _outcome(deepspeed.initialize, model=model, config=JSON,
+    out["subset"] = raised(deepspeed.initialize, model=model, model_parameters=[model[0].weight], config=JSON)
+    out["groups"] = raised(deepspeed.initialize, model=model, config=JSON,
                              model_parameters=[{"params": [model[0].weight]}, {"params": [model[2].weight]}])
-    out["training_data"] = _outcome(deepspeed.initialize, model=model, config=JSON, training_data=[1, 2])
+    out["training_data"] = raised(deepspeed.initialize, model=model, config=JSON, training_data=[1, 2])
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                 config=JSON)
     out["tuple"] = (optimizer is engine.optimizer, loader, scheduler)
-    out["no_attribute"] = _outcome(lambda: engine.no_such_thing)
-    out["deepspeed_only"] = _outcome(lambda: engine.deepspeed_io)
+    out["no_attribute"] = raised(lambda: engine.no_such_thing)
+    out["deepspeed_only"] = raised(lambda: engine.deepspeed_io)
     out["hasattr"] = hasattr(engine, "deepspeed_io") or hasattr(engine, "no_such_thing")
     for step in range(2):
         engine.backward(engine(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).sum())
@@ -173,20 +166,24 @@ def run_surface(ctx: WorkerContext, root: str) -> dict[str, Any]:
         Path(root, "empty").mkdir(parents=True)
     torch.distributed.barrier(ctx.group)
     out["nothing_yet"] = engine.load_checkpoint(os.path.join(root, "empty"))  # DeepSpeed's (None, None)
-    out["missing"] = _outcome(engine.load_checkpoint, os.path.join(root, "misspelt"))
+    out["missing"] = raised(engine.load_checkpoint, os.path.join(root, "misspelt"))
     engine.save_checkpoint(root, client_state={"at": 2})  # tag global_step2
     engine.save_checkpoint(root, tag=7, client_state={"at": 7}, save_latest=False)
     out["latest"] = Path(root, "latest").read_text().strip()
     out["loaded"] = engine.load_checkpoint(root)
     out["tagged"] = engine.load_checkpoint(root, tag=7)[1]
-    out["optimizer_only"] = _outcome(engine.load_checkpoint, root, load_optimizer_states=False)
-    out["tags_differ"] = _outcome(engine.save_checkpoint, root, tag=f"rank{ctx.rank}")
-    out["bad_tag"] = _outcome(engine.save_checkpoint, root, tag="a/b")
+    out["optimizer_only"] = raised(engine.load_checkpoint, root, load_optimizer_states=False)
+    out["tags_differ"] = raised(engine.save_checkpoint, root, tag=f"rank{ctx.rank}")
+    out["bad_tag"] = raised(engine.save_checkpoint, root, tag="a/b")
     blocked = Path(root, "blocked")
     if ctx.rank == 0:
         (blocked / "latest").mkdir(parents=True)  # a folder named latest: not the save's to replace
     torch.distributed.barrier(ctx.group)
-    out["latest_folder"] = _outcome(engine.save_checkpoint, blocked)
+    out["latest_folder"] = raised(engine.save_checkpoint, blocked)
+    # the custom-loop fp16 recipe: GradScaler's unscale_ reads the optimizer's (sharded) gradients
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(engine(torch.randn(3, 4)).sum()).backward()
+    out["gradscaler"] = raised(scaler.unscale_, engine.optimizer)
     return out
 
 
@@ -216,6 +213,8 @@ def test_tags_latest_and_refusals_name_the_engine(pools: PoolSet, tmp_path: Path
         assert "tag 'a/b' must name one folder" in out["bad_tag"]
         assert out["latest_folder"].startswith("SaveRefused: save_checkpoint(") and "nothing was written" in \
             out["latest_folder"]
+        assert "GradScaler" in out["gradscaler"] and 'compute_dtype="fp16"' in out["gradscaler"] and \
+            "engine.backward(loss)" in out["gradscaler"], out["gradscaler"]
     assert sorted(p.name for p in root.iterdir()) == ["7", "blocked", "empty", "global_step2", "latest"]
     assert sorted(p.name for p in (root / "blocked").iterdir()) == ["latest"]  # nothing written beside it
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.checkpoint_at import save_at, saver
-from tests.errors import error_of, unchanged
+from tests.errors import error_of, raised, unchanged
 
 MANIFEST = "z3kit_manifest.json"
 
@@ -34,11 +34,8 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
-        return f"{type(e).__name__}: {e}"
-    return "saved"
+    happened = raised(fn, *args, **kwargs)
+    return "saved" if happened == "ok" else happened
 
 
 def run_save(ctx: Any, method: str, path: str, seed: int = 0) -> str:

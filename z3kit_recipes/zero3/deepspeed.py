@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from z3kit.device import accelerator_type, backend_for, use_device
-from z3kit_recipes.zero3.deepspeed_call import check_deepspeed_arguments, per_group_factory_hint
+from z3kit_recipes.zero3.deepspeed_call import check_deepspeed_arguments, per_group_factory_hint, settings_of
 from z3kit_recipes.zero3.engine import Zero3Engine
 from z3kit_recipes.zero3.initialize import initialize as zero3_initialize
 
@@ -114,7 +114,8 @@ def _check_model_parameters(model: nn.Module, given: Any) -> None:
                         f"{type(given).__name__}")
     listed = list(given)
     if any(isinstance(p, Mapping) for p in listed):
-        raise TypeError(f"model_parameters holds parameter groups: {per_group_factory_hint(len(listed))}")
+        raise TypeError(f"model_parameters holds parameter groups: "
+                        f"{per_group_factory_hint(len(listed), settings=settings_of(listed))}")
     named = {id(p): n for n, p in model.named_parameters()}
     ids = {id(p) for p in listed}
     strangers = [p for p in listed if id(p) not in named]

@@ -18,7 +18,7 @@ here with the z3kit spelling of the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 import torch
@@ -76,8 +76,15 @@ def check_deepspeed_arguments(given: Mapping[str, object]) -> None:
     if unknown:
         raise TypeError(f"initialize() got an unexpected keyword argument {unknown[0]!r}")
     if given:
-        lines = [f"{name}: {_INSTEAD[name]}" for name in sorted(given)]
+        lines = [f"{name}: {_instead(name, given[name])}" for name in sorted(given)]
         raise TypeError("zero3.initialize does not take deepspeed.initialize's " + "; ".join(lines))
+
+
+def _instead(name: str, value: object) -> str:
+    """What to write instead of argument ``name``; parameter groups keep their groups."""
+    if name == "model_parameters" and isinstance(value, (list, tuple)) and any(isinstance(g, Mapping) for g in value):
+        return f"it holds {len(value)} parameter groups: {per_group_factory_hint(len(value), settings=settings_of(value))}"
+    return _INSTEAD[name]
 
 
 def check_optimizer_argument(optimizer: object) -> None:
@@ -116,6 +123,13 @@ def per_group_factory_hint(groups: int, spelled: str = "torch.optim.AdamW",
             f"keeps your {groups} groups selects each group's shards by parameter name: optimizer=lambda params: "
             f"{spelled}([{body}], {keywords}) (params.named() gives (name, shard) pairs, params.full_shape(p) the "
             "parameter's shape); a one-group factory would train every parameter alike")
+
+
+def settings_of(groups: Sequence[object]) -> list[str]:
+    """Each parameter group's own numbers (a dict's entries besides ``params``), as dict entries."""
+    return [", ".join(f'"{k}": {v!r}' for k, v in g.items()
+                      if k != "params" and isinstance(v, (int, float, tuple)) and not isinstance(v, bool))
+            if isinstance(g, Mapping) else "" for g in groups]
 
 
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[str]:

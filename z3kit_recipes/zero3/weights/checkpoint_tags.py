@@ -96,6 +96,7 @@ def save_tagged(engine: EngineCore, save_dir: str | os.PathLike[str], tag: objec
         raise TypeError(f"save_latest must be a bool, got {type(save_latest).__name__}")
     if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
+    engine.check_idle("save_checkpoint")  # before any exchange: a broken engine refuses at once
     together = Together.of(engine)
     name = together.agreed("save_checkpoint: checking the tag",
                            lambda: _check_tag(default_tag(engine) if tag is None else tag))
@@ -131,6 +132,7 @@ def _source(load_dir: Path, tag: object) -> Path | None:
 
 def load_tagged(engine: EngineCore, load_dir: str | os.PathLike[str], tag: object) -> tuple[str | None, Any]:
     """Load ``load_dir/tag`` (or what ``latest`` names); DeepSpeed's ``(path, client_state)`` (collective)."""
+    engine.check_idle("load_checkpoint")  # before any exchange: a broken engine refuses at once
     together = Together.of(engine)
     source = together.decided(lambda: _source(Path(load_dir), tag))
     if source is None:
