@@ -69,7 +69,8 @@ def run_resume(ctx: Any, root: str, cut: int) -> dict[str, Any]:
     first.save_checkpoint(root, client_state={"next_micro_step": cut})
     del first
     second = new_engine(ctx, seed=5)  # other initial values: everything must come from the checkpoint
-    client = second.load_checkpoint(root)
+    path, client = second.load_checkpoint(root)  # DeepSpeed's (path, client_state), from root/latest
+    assert path == str(Path(root) / f"global_step{cut // 2}")
     got += micro_steps(ctx, second, client["next_micro_step"], 10 - cut)
     a, b = straight.full_state_dict(), second.full_state_dict()
     return {"want": want, "got": got, "params_equal": all(torch.equal(a[n], b[n]) for n in a),
@@ -145,7 +146,7 @@ def run_interrupted_save(ctx: Any, root: str) -> dict[str, Any]:
         pass
     finally:
         checkpoint.commit = real_commit
-    return {"client": new_engine(ctx).load_checkpoint(root)}
+    return {"client": new_engine(ctx).load_checkpoint(root)[1]}
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(pools: Any, tmp_path: Path) -> None:
@@ -157,7 +158,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(pools: Any, tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the interrupted save's staging folder removed
     # what a killed save leaves (no manifest) is recognizably incomplete
     partial = tmp_path / ".ckpt.partial-killed"
-    shutil.copytree(root, partial)
+    shutil.copytree(root / (root / "latest").read_text().strip(), partial)
     (partial / "z3kit_manifest.json").unlink()
     err = pools.run(2, run_load_error, str(partial))[0]
     assert "no z3kit_manifest.json" in err and "did not finish" in err
@@ -175,7 +176,7 @@ def run_load_error(ctx: Any, root: str, config: dict[str, Any] | None = None) ->
 def test_corrupt_file_is_named(pools: Any, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     pools.run(2, run_train_and_save, str(root))
-    victim = sorted(root.glob("*.distcp"))[-1]
+    victim = sorted(root.rglob("*.distcp"))[-1]  # root/global_step3/
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))

@@ -129,3 +129,21 @@ def test_deepspeed_arguments_are_answered_with_z3kits_spelling() -> None:
         check_optimizer_argument(3)
     check_optimizer_argument(None)
     check_optimizer_argument(lambda params: torch.optim.SGD(params, lr=0.5))
+
+
+def test_parameter_groups_are_answered_with_a_factory_that_keeps_them() -> None:
+    """An optimizer built on groups, or DeepSpeed's model_parameters groups: the suggested factory makes
+    each group from the master shards by name, with its own settings, not one group for every parameter."""
+    layer = nn.Linear(2, 2)
+    grouped = torch.optim.AdamW([{"params": [layer.weight], "weight_decay": 0.1},
+                                 {"params": [layer.bias], "weight_decay": 0.0}], lr=3e-4)
+    for call in (lambda: check_optimizer_argument(grouped),
+                 lambda: check_deepspeed_arguments({"model_parameters": [
+                     {"params": [layer.weight], "weight_decay": 0.1}, {"params": [layer.bias], "weight_decay": 0.0}]})):
+        with pytest.raises(TypeError) as caught:
+            call()
+        message = str(caught.value)
+        assert "keeps your 2 groups" in message and "params.named()" in message, message
+        assert '"weight_decay": 0.1}, {"params": [p for n, p in params.named() if <group 1\'s names>], ' \
+               '"weight_decay": 0.0}' in message, message
+        assert "torch.optim.AdamW(params, lr" not in message  # no one-group factory

@@ -56,7 +56,8 @@ def test_the_hf_json_is_read_as_the_trainer_fills_it() -> None:
     assert c.param_persistence_threshold == 10 * HIDDEN and c.max_live_parameters == 1_000_000_000
     # one line, naming every key that changes nothing, and saying plainly that parameters are not offloaded
     assert len(notes) == 1
-    for key in ("steps_per_print", "wall_clock_breakdown", "fp16.loss_scale", "fp16.min_loss_scale",
+    assert c.steps_per_print == 2000  # the engine's progress line (zero3.runtime.progress)
+    for key in ("wall_clock_breakdown", "fp16.loss_scale", "fp16.min_loss_scale",
                 "zero_optimization.sub_group_size", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
                 "zero_optimization.offload_param"):
         assert key in notes[0]
@@ -389,14 +390,17 @@ def test_a_batch_short_on_one_rank_stops_every_rank_in_seconds(pools: PoolSet) -
 # -- keys that change nothing in DeepSpeed's ZeRO-3 either, and the monitors ---------------------------
 #: a value of each key accepted whatever it holds, as users' JSONs write them
 INERT = {
-    "steps_per_print": 10, "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
+    "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
     "flops_profiler": {"enabled": True, "profile_step": 1}, "activation_checkpointing": {"partition_activations": True},
-    "wandb": {"enabled": False}, "comet": {"enabled": False},
+    "wandb": {"enabled": False}, "comet": {"enabled": False}, "comms_logger": {"enabled": False, "verbose": False},
     "tensorboard": {"enabled": False, "output_path": "tb/"}, "csv_monitor": {"enabled": False},
     # at DeepSpeed's default
     "prescale_gradients": False, "gradient_predivide_factor": 1, "sparse_gradients": False,
     "communication_data_type": None,
+    "data_types": {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None},
+    "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+                   "parallel_write": {"pipeline_stage": False}},
 }
 INERT_ZERO = {
     "allgather_partitions": True, "allgather_bucket_size": 2e8, "round_robin_gradients": True,
@@ -405,6 +409,7 @@ INERT_ZERO = {
     "stage3_use_all_reduce_for_fetch_params": True, "stage3_allgather_sequential": False,
     "memory_efficient_linear": False, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
     "zero_quantized_weights": False, "zero_quantized_gradients": False, "elastic_checkpoint": False,
+    "load_from_fp32_weights": True,
 }
 
 
@@ -414,7 +419,8 @@ def test_keys_inert_in_deepspeeds_zero3_are_accepted_and_listed_in_the_one_note(
     c, notes = notes_of(lambda: zero3.Zero3Config.from_deepspeed(ds))
     assert c == zero3.Zero3Config.from_deepspeed(base)  # nothing changed by them
     assert len(notes) == 1 and "\n" not in notes[0]
-    for key in [*INERT, *(f"zero_optimization.{k}" for k in INERT_ZERO)]:
+    for key in [*(k for k in INERT if k not in ("data_types", "checkpoint")), *(f"zero_optimization.{k}" for k in INERT_ZERO),
+                "data_types.grad_accum_dtype", "checkpoint.tag_validation", "checkpoint.parallel_write.pipeline_stage"]:
         assert key in notes[0], key
     assert c.monitors == () and "writes nothing" not in notes[0]
 
@@ -429,12 +435,36 @@ def test_keys_inert_in_deepspeeds_zero3_are_accepted_and_listed_in_the_one_note(
          r"zero_optimization.zero_quantized_gradients \(only DeepSpeed's default"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": 0}}, r"zero_quantized_weights .*: 0 changes"),
         ({"elasticity": {"enabled": True}}, r"unsupported DeepSpeed config keys: elasticity\."),
+        ({"zero_optimization": {"stage": 3, "load_from_fp32_weights": False}},
+         r"zero_optimization.load_from_fp32_weights \(only DeepSpeed's default, true: false changes"),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, r"data_types.grad_accum_dtype \(only DeepSpeed's default, null"),
+        ({"checkpoint": {"load_universal": True}}, r"checkpoint.load_universal \(only DeepSpeed's default, false"),
         ({"csv_monitor": {"enabled": True, "team": "x"}}, r"csv_monitor.team"),
     ],
 )
 def test_keys_that_change_numbers_stay_refused_by_name(change: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         zero3.Zero3Config.from_deepspeed({"gradient_clipping": 1.0, **change})
+
+
+@pytest.mark.parametrize(
+    ("misspelt", "meant"),
+    [
+        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sizee": 5}},
+         "zero_optimization.stage3_prefetch_bucket_sizee (did you mean zero_optimization.stage3_prefetch_bucket_size?)"),
+        ({"steps_per_prnt": 10}, "steps_per_prnt (did you mean steps_per_print?)"),
+        ({"data_types": {"grad_acum_dtype": None}}, "data_types.grad_acum_dtype (did you mean data_types.grad_accum_dtype?)"),
+        ({"zero_optimization": {"stage": 3, "overlap_com": True}},
+         "zero_optimization.overlap_com (did you mean zero_optimization.overlap_comm?)"),
+        ({"elasticity": {"enabled": True}}, "elasticity. z3kit does not implement them"),  # nothing near: no guess
+    ],
+)
+def test_an_unknown_key_is_refused_in_one_line_with_the_nearest_key(misspelt: dict[str, Any], meant: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        zero3.Zero3Config.from_deepspeed({"gradient_clipping": 1.0, **misspelt})
+    message = str(caught.value)
+    assert message.startswith("unsupported DeepSpeed config keys: ") and meant in message, message
+    assert "\n" not in message and len(message) < 300 and "docs/deepspeed.md" in message  # not every key z3kit reads
 
 
 def test_monitor_sections_become_the_engines_monitors(tmp_path: Path) -> None:

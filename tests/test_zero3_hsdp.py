@@ -252,7 +252,8 @@ def run_checkpoints(ctx: Any, root: str) -> dict[str, Any]:
     back.load_checkpoint(f"{root}/hsdp")
     back_loaded = _equal(back.full_state_dict(), hsdp_params) and _equal(full_optimizer_state(back), hsdp_optim)
     next_losses = (_micro_steps(ctx, hsdp, 8, 4), _micro_steps(ctx, back, 8, 4))
-    meshes = [read_manifest(Path(root) / name, CHECKPOINT_KIND)["mesh"] for name in ("flat", "hsdp")]
+    saves = [Path(root) / name for name in ("flat", "hsdp")]  # each save_dir's last tag (DeepSpeed's latest file)
+    meshes = [read_manifest(d / (d / "latest").read_text().strip(), CHECKPOINT_KIND)["mesh"] for d in saves]
     return {"loaded": loaded, "want": want, "got": got, "resumed_exact": resumed_exact, "back_loaded": back_loaded,
             "exported_exact": exported_exact,
             "next": next_losses, "meshes": meshes, "progress": (hsdp.progress(), back.progress())}

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.errors import error_of, unchanged
+from tests.checkpoint_at import save_at, saver
+from tests.errors import error_of, raised, unchanged
 
 MANIFEST = "z3kit_manifest.json"
 
@@ -33,15 +34,12 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
-        return f"{type(e).__name__}: {e}"
-    return "saved"
+    happened = raised(fn, *args, **kwargs)
+    return "saved" if happened == "ok" else happened
 
 
 def run_save(ctx: Any, method: str, path: str, seed: int = 0) -> str:
-    return outcome(getattr(new_engine(ctx, seed), method), path)
+    return outcome(saver(new_engine(ctx, seed), method), path)
 
 
 OTHER = {"save_checkpoint": "save_pretrained", "save_pretrained": "save_checkpoint"}
@@ -83,9 +81,9 @@ def test_a_save_onto_what_it_did_not_write_is_refused_and_writes_nothing(
 
 
 def run_replace(ctx: Any, method: str, path: str) -> dict[str, Any]:
-    out = {"first": outcome(getattr(new_engine(ctx, seed=1), method), path)}
+    out = {"first": outcome(saver(new_engine(ctx, seed=1), method), path)}
     engine = new_engine(ctx, seed=2)
-    out["second"] = outcome(getattr(engine, method), path)
+    out["second"] = outcome(saver(engine, method), path)
     out["want"] = engine.full_state_dict()
     if method == "save_checkpoint":
         loaded = new_engine(ctx, seed=3)
@@ -113,26 +111,33 @@ def test_an_earlier_save_is_replaced_and_an_empty_folder_is_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no .partial- or .old- left
 
 
-def run_in_folder(ctx: Any, folder: str, paths: list[str]) -> list[str]:
+def run_in_folder(ctx: Any, folder: str, calls: list[tuple[str, str]]) -> list[str]:
     engine = new_engine(ctx)
     here = os.getcwd()
     os.chdir(folder)
     try:
-        return [outcome(engine.save_checkpoint, p) for p in paths]
+        return [outcome(engine.save_checkpoint, save_dir, tag=tag, save_latest=False) for save_dir, tag in calls]
     finally:
         os.chdir(here)
 
 
 def test_the_working_directory_and_paths_above_it_are_refused(pools: Any, tmp_path: Path) -> None:
+    """A checkpoint goes to save_dir/tag: a tag naming the working directory from above is refused, and a
+    tag that is not one folder name (".", "..", "", "a/b") cannot reach above it."""
     work = tmp_path / "work"
     work.mkdir()  # empty: were it replaced, nothing of it would be lost, but the process would lose its folder
-    paths = [".", "..", str(work), "sub/..", "/"]
+    refused = [("..", "work"), (str(tmp_path), "work")]
+    bad_tags = [(".", "."), (".", ".."), (".", ""), (".", "a/b")]
     before = snapshot(tmp_path)
-    per_rank = pools.run(2, run_in_folder, str(work), paths)
+    per_rank = pools.run(2, run_in_folder, str(work), refused + bad_tags)
     assert per_rank[0] == per_rank[1]
-    for path, error in zip(paths, per_rank[0]):
-        assert error.startswith(f"SaveRefused: save_checkpoint({path!r}): refused, nothing was written"), error
+    for (save_dir, tag), error in zip(refused, per_rank[0]):
+        target = str(Path(save_dir) / tag)
+        assert error.startswith(f"SaveRefused: save_checkpoint({target!r}): refused, nothing was written"), error
         assert "name a folder below it" in error
+    for error in per_rank[0][len(refused):]:
+        assert error.startswith("ValueError: save_checkpoint: checking the tag failed on rank 0: ValueError: tag "), error
+        assert "must name one folder" in error
     assert snapshot(tmp_path) == before
 
 
@@ -156,7 +161,7 @@ def run_commit_fails_on_one_rank(ctx: Any, path: str, where: str) -> dict[str, A
     from z3kit_recipes.zero3.weights import commit
 
     engine = new_engine(ctx, seed=1)
-    engine.save_checkpoint(path, client_state={"which": "first"})
+    save_at(engine, path, client_state={"which": "first"})
     real_replace = os.replace
 
     def rename_fails(src: Any, dst: Any) -> None:
@@ -171,9 +176,9 @@ def run_commit_fails_on_one_rank(ctx: Any, path: str, where: str) -> dict[str, A
              mock.patch.object(commit, "_sha256", hash_fails) if where == "hash on the last rank" and ctx.rank == ctx.world - 1
              else contextlib.nullcontext())
     with patch:
-        error = outcome(engine.save_checkpoint, path, client_state={"which": "second"})
+        error = outcome(saver(engine, "save_checkpoint"), path, client_state={"which": "second"})
     # every rank stopped at the same step: the engine goes on, and the earlier checkpoint is intact
-    return {"error": error, "client": engine.load_checkpoint(path), "again": outcome(engine.save_checkpoint, path)}
+    return {"error": error, "client": engine.load_checkpoint(path)[1], "again": outcome(saver(engine, "save_checkpoint"), path)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -206,8 +211,8 @@ def run_rank_dies(ctx: Any, method: str, path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
     engine = new_engine(ctx)
-    save = engine.save_pretrained if method == "save_pretrained" else engine.save_checkpoint
-    save(path)  # an earlier save, which the dying one must leave as it is
+    # an earlier save, which the dying one must leave as it is
+    saver(engine, "save_pretrained" if method == "save_pretrained" else "save_checkpoint")(path)
     gathers = [0]
     layout_class = type(engine.layout)
     real_gather = layout_class.gather_full
@@ -228,7 +233,7 @@ def run_rank_dies(ctx: Any, method: str, path: str) -> dict[str, Any]:
                  "load_checkpoint": mock.patch.object(FileSystemReader, "read_data", die)}[method]
     start = time.monotonic()
     with patch:
-        caught = outcome(getattr(engine, method), path)
+        caught = outcome(saver(engine, method), path)
     return {"caught": caught, "seconds": time.monotonic() - start}
 
 
@@ -257,7 +262,7 @@ def run_save_warned(ctx: Any, path: str) -> list[str]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        new_engine(ctx).save_checkpoint(path)
+        save_at(new_engine(ctx), path)
     return [str(w.message) for w in caught if "did not finish" in str(w.message)]
 
 

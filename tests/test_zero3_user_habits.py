@@ -149,6 +149,7 @@ def _clear(model: torch.nn.Module, optimizer: torch.optim.Optimizer, which: str)
 def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: bool, save_to: str) -> dict[str, Any]:
     """Gradients set to None before step() (a bad batch dropped) are gone, as under DDP,
     and from a checkpoint saved then; cleared after a step() call they stay (the loop above)."""
+    from tests.checkpoint_at import save_at
     from z3kit_recipes.zero3.weights.commit import CHECKPOINT_KIND, read_manifest
 
     config = {**SHARDED, "gradient_accumulation_steps": 2, **({"mics_shard_size": 2} if hsdp else {})}
@@ -164,7 +165,7 @@ def _discard_worker(ctx: WorkerContext, which: str, micro_to_clear: int, hsdp: b
                 _clear(model, engine.optimizer, which)
                 _clear(ref.model, ref.opt, which)
                 if step == 0 and micro == 0:
-                    engine.save_checkpoint(save_to)
+                    save_at(engine, save_to)
                     saved = read_manifest(Path(save_to), CHECKPOINT_KIND)["open_window"]
             engine.step()
         ref.step()

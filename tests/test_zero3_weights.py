@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.checkpoint_at import save_at
 from tests.errors import error_of, unchanged
 
 transformers = pytest.importorskip("transformers")
@@ -106,7 +107,7 @@ def run_hf_roundtrip(ctx: Any, src: str, out: str, max_shard_bytes: int) -> dict
     with torch.no_grad():
         logits = engine(ids).logits
     engine.save_pretrained(out, max_shard_bytes=max_shard_bytes)
-    engine.save_checkpoint(out + "-checkpoint")
+    save_at(engine, out + "-checkpoint")  # the checkpoint folder itself, which convert reads
     return {"loaded_equal": loaded_equal, "logits": logits, "ref_logits": reference(ids).logits.detach(), "ids": ids}
 
 

@@ -158,7 +158,7 @@ class Zero3Trainer(Trainer):
         self._save(output_dir or self.args.output_dir, state_dict=state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR))
+        self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_SUBDIR, save_latest=False)  # output_dir/CHECKPOINT_SUBDIR
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

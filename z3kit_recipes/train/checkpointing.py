@@ -200,7 +200,9 @@ def resume(engine: zero3.Zero3Engine, spec: RunSpec, vocab_sha256: str, path: st
     """``--resume``: load the checkpoint (collective), check it continues
     this run, and return where the loop starts, the world size it was saved
     at, and what rank 0 says."""
-    client = engine.load_checkpoint(path)
+    _, client = engine.load_checkpoint(path)  # DeepSpeed's (path, client_state); path is the checkpoint folder
+    if client is None:
+        raise ValueError(f"--resume {path}: no checkpoint there (no such folder, or an empty one)")
     check_resumable(path, client, spec, vocab_sha256)
     step, table, saved_world = int(client["next_step"]), client["loss_table"], int(client["world"])
     if engine.progress()[0] != step:
@@ -264,7 +266,8 @@ class Checkpointer:
         path = checkpoint_path(self.out, done)
         table = _gather_losses(losses, self.engine)
         state = client_state(self.spec, self.vocab_sha256, done, self.schedule_steps, table, lrs)
-        self.engine.save_checkpoint(path, client_state=state)
+        # the checkpoint folder itself (DeepSpeed's save_dir/tag), without DeepSpeed's `latest` file
+        self.engine.save_checkpoint(Path(path).parent, tag=Path(path).name, client_state=state, save_latest=False)
         seconds = time.perf_counter() - started
         self.saved.append(SavedCheckpoint(done, str(path), seconds))
         return f"saved checkpoint {path} (step {done}) in {seconds:.1f} s"

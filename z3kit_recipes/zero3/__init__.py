@@ -7,6 +7,10 @@
     engine.backward(loss)
     engine.step()
 
+A DeepSpeed script changes its ``import deepspeed`` line to
+``from z3kit_recipes.zero3 import deepspeed`` (``zero3.deepspeed``:
+DeepSpeed's ``initialize`` and ``init_distributed``), and nothing else.
+
 The errors the engine raises on every rank are importable from here too:
 ``RanksDisagree`` (the ranks would issue different collectives),
 ``RankFailed`` (a rank failed, died or stalled; a ``RanksDisagree``),

@@ -38,17 +38,25 @@ from torch import nn
 
 from z3kit_recipes.zero3.accelerate_prepared import mark_prepared
 from z3kit_recipes.zero3.deepspeed_call import NOT_A_TUPLE
+from z3kit_recipes.zero3.deepspeed_surface import DeepSpeedSurface, refused
 from z3kit_recipes.zero3.lockstep import generate as lockstep_generate
 from z3kit_recipes.zero3.lockstep import join as lockstep_join
 from z3kit_recipes.zero3.runtime.build import EngineParts
-from z3kit_recipes.zero3.runtime.core import EngineCore
-from z3kit_recipes.zero3.weights import checkpoint, dcp_state, deepspeed_import, full_values, pretrained, sixteen_bit
+from z3kit_recipes.zero3.weights import (
+    checkpoint,
+    checkpoint_tags,
+    dcp_state,
+    deepspeed_import,
+    full_values,
+    pretrained,
+    sixteen_bit,
+)
 from z3kit_recipes.zero3.weights.dcp_refusal import DcpRefusal
 from z3kit_recipes.zero3.weights.model_state import ModelStateHooks
 from z3kit_recipes.zero3.weights.export_layout import ExportLayout
 
 
-class Zero3Engine(EngineCore, nn.Module):
+class Zero3Engine(DeepSpeedSurface, nn.Module):
     """A model trained with ZeRO-3 sharding. Build it with ``zero3.initialize``.
 
     Forward, backward and step are the ``EngineCore``'s; the methods here are
@@ -60,7 +68,11 @@ class Zero3Engine(EngineCore, nn.Module):
         (names prefixed ``module.``) and ``modules()`` reach the model, and
         an attribute the engine does not have is the model's
         (``engine.config`` is a Hugging Face model's config; the engine's
-        own is ``zero3_config``). Between uses a parameter holds no values
+        own is ``zero3_config``); one neither has raises an
+        ``AttributeError`` naming the engine, and what z3kit writes instead
+        for DeepSpeed's engine names it does not have. DeepSpeed's names it
+        does have (``global_rank``, ``global_steps``, ``train_batch_size()``,
+        ...) are ``DeepSpeedSurface``'s (``zero3.deepspeed_surface``). Between uses a parameter holds no values
         (its shape is ``(0,)``); its full shape and size are
         ``param.ds_shape`` and ``param.ds_numel``, DeepSpeed's names, which
         Hugging Face reads. What torch, Hugging Face and PEFT read through
@@ -76,7 +88,7 @@ class Zero3Engine(EngineCore, nn.Module):
 
     def __init__(self, parts: EngineParts) -> None:
         nn.Module.__init__(self)
-        EngineCore.__init__(self, parts)
+        DeepSpeedSurface.__init__(self, parts)
         #: the model's own state_dict / load_state_dict, made honest (``zero3.weights.model_state``)
         self.model_state = ModelStateHooks(self)
         mark_prepared(self)  # accelerator.prepare returns the engine as it is (``zero3.accelerate_prepared``)
@@ -91,7 +103,11 @@ class Zero3Engine(EngineCore, nn.Module):
             modules = self.__dict__.get("_modules", {})
             if name.startswith("__") or "module" not in modules:
                 raise
+        try:
             return getattr(modules["module"], name)
+        except AttributeError:
+            # neither has it: say so of the engine (and what z3kit spells it, for DeepSpeed's names)
+            raise refused(self, name) from None
 
     def __iter__(self) -> NoReturn:
         # `engine, optimizer, _, scheduler = zero3.initialize(...)` (DeepSpeed's 4-tuple) comes here;
@@ -157,15 +173,42 @@ class Zero3Engine(EngineCore, nn.Module):
         (collective; see ``zero3.weights.full_values``)."""
         return full_values.full_state_dict(self, rank0_only=rank0_only)
 
-    def save_checkpoint(self, path: str | os.PathLike[str], client_state: dict[str, Any] | None = None) -> None:
-        """Write the training state under ``path``, each rank its own part
-        (collective; see ``zero3.weights.checkpoint``). ``client_state`` is yours
-        (a data position, a scheduler's state), returned by ``load_checkpoint``."""
-        checkpoint.save_checkpoint(self, path, client_state)
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: str | int | None = None,
+        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's call: write the training state to ``save_dir/tag`` (``tag``
+        default ``global_step{N}``), each rank its own part, and, with
+        ``save_latest``, the tag to ``save_dir/latest`` (collective; see
+        ``zero3.weights.checkpoint_tags``). ``client_state`` is yours (a data
+        position), returned by ``load_checkpoint``. Returns True, as DeepSpeed does."""
+        if exclude_frozen_parameters is not False:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True): z3kit's checkpoint holds every "
+                             "parameter, frozen ones included, so that it resumes the same model; drop the argument")
+        checkpoint_tags.save_tagged(self, save_dir, tag, client_state, save_latest)
+        return True
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Resume from ``path`` (saved at any world size; collective); returns its ``client_state``."""
-        return checkpoint.load_checkpoint(self, path)
+    def load_checkpoint(
+        self, load_dir: str | os.PathLike[str], tag: str | int | None = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's call: resume from ``load_dir/tag`` (without a tag, what
+        ``load_dir/latest`` names, or ``load_dir`` itself where it is a
+        checkpoint), saved at any world size (collective); returns ``(path,
+        client_state)``, or ``(None, None)`` where nothing was saved yet
+        (see ``zero3.weights.checkpoint_tags``). The whole training state is
+        restored: the other arguments are accepted at DeepSpeed's defaults only."""
+        given = {"load_module_strict": (load_module_strict, True), "load_optimizer_states": (load_optimizer_states, True),
+                 "load_lr_scheduler_states": (load_lr_scheduler_states, True),
+                 "load_module_only": (load_module_only, False), "custom_load_fn": (custom_load_fn, None)}
+        changed = [f"{k}={v!r}" for k, (v, default) in given.items() if v is not default]
+        if changed:
+            raise ValueError(f"load_checkpoint({', '.join(changed)}): z3kit restores the whole training state "
+                             "(weights, optimizer, scheduler, counters) or nothing; for the weights alone, use "
+                             "engine.load_pretrained(path) on a save_pretrained folder")
+        return checkpoint_tags.load_tagged(self, load_dir, tag)
 
     def dcp_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The model and optimizer to hand ``torch.distributed.checkpoint``'s

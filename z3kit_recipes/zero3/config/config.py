@@ -136,6 +136,10 @@ class Zero3Config:
     #: step: DeepSpeed's ``tensorboard`` and ``csv_monitor`` sections (``zero3.runtime.monitor``)
     monitors: tuple[MonitorConfig, ...] = attrs.field(
         default=(), converter=tuple, validator=attrs.validators.deep_iterable(attrs.validators.instance_of(MonitorConfig)))
+    #: every this many optimizer steps rank 0 logs DeepSpeed's progress line, ``[Rank 0] step=N, skipped=S,
+    #: lr=[...], mom=[...]``, at INFO on the ``z3kit`` logger, printed to stdout (``zero3.runtime.progress``);
+    #: DeepSpeed's ``steps_per_print``. None: never
+    steps_per_print: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_validator(at_least=1)))
 
     @mics_shard_size.validator
     @hpz_partition_size.validator

@@ -47,6 +47,7 @@ from z3kit_recipes.zero3.config.lr_schedules import WarmupSchedule
 from z3kit_recipes.zero3.config.monitor import MonitorConfig
 from z3kit_recipes.zero3.config.offload import OffloadConfig
 from z3kit_recipes.zero3.config.training_values import TrainingValues
+from z3kit_recipes.zero3.config.unsupported_keys import refusal
 
 #: DeepSpeed's ``GRADIENT_CLIPPING_DEFAULT`` (``deepspeed/runtime/constants.py``)
 DEEPSPEED_GRADIENT_CLIPPING: Final = 1.0
@@ -68,7 +69,7 @@ FILLED_BY: Final[dict[tuple[str, ...], str]] = {
 }
 
 _TOP_LEVEL: Final = {"gradient_accumulation_steps": "gradient_accumulation_steps",
-                     "gradient_clipping": "gradient_clipping"}
+                     "gradient_clipping": "gradient_clipping", "steps_per_print": "steps_per_print"}
 _BATCH: Final = ("train_batch_size", "train_micro_batch_size_per_gpu")
 _FP16_KEYS: Final = frozenset({"enabled", "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis",
                                "consecutive_hysteresis", "min_loss_scale"})
@@ -85,7 +86,8 @@ _ZERO_KEYS: Final = {
     "stage3_module_granularity_threshold": "module_granularity_threshold",
 }
 _INT_FIELDS: Final = frozenset({*(v for k, v in _ZERO_KEYS.items() if k.startswith(("stage3", "reduce_bucket"))),
-                                "gradient_accumulation_steps", "mics_shard_size", "hpz_partition_size"})
+                                "gradient_accumulation_steps", "mics_shard_size", "hpz_partition_size",
+                                "steps_per_print"})
 _SECTIONS: Final = frozenset({"bf16", "fp16", "amp", "optimizer", "scheduler", "zero_optimization"})
 
 
@@ -146,8 +148,10 @@ def read_deepspeed(
             continue  # below
         elif key in keys.INERT_TOP_LEVEL:
             inert.append(key)
-            if key in ("wandb", "comet") and isinstance(value, Mapping) and value.get("enabled") is True:
+            if key in ("wandb", "comet", "comms_logger") and isinstance(value, Mapping) and value.get("enabled") is True:
                 unwritten.append(key)
+        elif key in keys.DOTTED_SECTIONS:
+            keys.section_keys(key, value, inert, unsupported)
         elif key in keys.WRITTEN_MONITORS:
             monitor = MonitorConfig.from_json(key, value)
             if monitor is None:
@@ -182,9 +186,7 @@ def read_deepspeed(
         elif not keys.default_only(name, zvalue, inert, unsupported):
             unsupported.append(name)
     if unsupported:
-        raise ValueError(
-            f"unsupported DeepSpeed config keys: {', '.join(sorted(unsupported))}. z3kit does not implement them; "
-            f"remove them. Supported: {', '.join(supported_keys())}")
+        raise ValueError(refusal(unsupported, supported_keys()))
     for section, build in (("optimizer", optimizer_from_json), ("scheduler", WarmupSchedule.from_json)):
         if section in ds:
             body = _section(ds, section)
@@ -225,7 +227,7 @@ def supported_keys() -> list[str]:
                    *(f"fp16.{k}" for k in sorted(_FP16_KEYS)), "optimizer", "scheduler"]) \
         + sorted(f"zero_optimization.{k}" for k in ("stage", *_ZERO_KEYS, *keys.INERT_ZERO, "offload_optimizer",
                                                     "offload_param", "mics_shard_size", "zero_hpz_partition_size")) \
-        + [f"{k} (at DeepSpeed's default only)" for k in keys.DEFAULT_ONLY]
+        + sorted(keys.INERT_IN_SECTIONS) + [f"{k} (at DeepSpeed's default only)" for k in keys.DEFAULT_ONLY]
 
 
 def _section(ds: Mapping[str, Any], key: str, spelled: str | None = None) -> Mapping[str, Any]:

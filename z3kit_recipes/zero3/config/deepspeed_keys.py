@@ -23,7 +23,6 @@ _STAGES_1_2: Final = "read only by ZeRO stages 1 and 2 (DeepSpeedZeroOptimizer);
 
 #: top-level keys accepted whatever they hold -> why they change nothing
 INERT_TOP_LEVEL: Final[Mapping[str, str]] = {
-    "steps_per_print": "how often DeepSpeed prints progress",
     "wall_clock_breakdown": "timers DeepSpeed prints",
     "memory_breakdown": "memory printouts (see_memory_usage)",
     "dump_state": "prints the engine's configuration once",
@@ -36,6 +35,7 @@ INERT_TOP_LEVEL: Final[Mapping[str, str]] = {
                                 "engine never reads it (torch.utils.checkpoint works under z3kit)",
     "wandb": "a monitor: what the engine logs, not what it computes",
     "comet": "a monitor: what the engine logs, not what it computes",
+    "comms_logger": "DeepSpeed's log of its collectives: it prints, changes nothing",
 }
 
 #: ``zero_optimization`` keys accepted whatever they hold -> why they change nothing
@@ -68,6 +68,25 @@ DEFAULT_ONLY: Final[Mapping[str, object]] = {
     "zero_optimization.zero_quantized_nontrainable_weights": False,
     "zero_optimization.zero_quantized_gradients": False,
     "zero_optimization.elastic_checkpoint": False,
+    # z3kit's masters are always loaded from the checkpoint's fp32 values
+    "zero_optimization.load_from_fp32_weights": True,
+    # gradients accumulate in fp32 partitions; parameters and buffers in the dtypes DeepSpeed's defaults give
+    "data_types.grad_accum_dtype": None,
+    "data_types.param_dtype": None,
+    "data_types.buffer_dtype": None,
+    "checkpoint.load_universal": False,
+    "checkpoint.use_node_local_storage": False,
+    "checkpoint.parallel_write.pipeline_stage": False,
+}
+
+#: sections whose keys are each read as a dotted key (``data_types.grad_accum_dtype``): at DeepSpeed's
+#: default (``DEFAULT_ONLY``) or inert (``INERT_IN_SECTIONS``)
+DOTTED_SECTIONS: Final = ("data_types", "checkpoint")
+
+#: dotted keys of ``DOTTED_SECTIONS`` accepted whatever they hold -> why they change nothing
+INERT_IN_SECTIONS: Final[Mapping[str, str]] = {
+    "checkpoint.tag_validation": "how DeepSpeed reacts to ranks saving under different tags; z3kit always "
+                                 "refuses them (save_checkpoint)",
 }
 
 #: monitor sections the engine writes to when enabled (``zero3.runtime.monitor``)
@@ -86,6 +105,21 @@ def default_only(name: str, value: object, inert: list[str], unsupported: list[s
         unsupported.append(f"{name} (only DeepSpeed's default, {_spelled(default)}: {_spelled(value)} changes "
                            "the numbers)")
     return True
+
+
+def section_keys(name: str, value: object, inert: list[str], unsupported: list[str]) -> None:
+    """Each key of the section ``name`` (one of ``DOTTED_SECTIONS``), nested ones
+    dotted, into ``inert`` (inert, or at DeepSpeed's default) or ``unsupported``."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    for key, inner in value.items():
+        dotted = f"{name}.{key}"
+        if isinstance(inner, Mapping) and any(k.startswith(dotted + ".") for k in DEFAULT_ONLY):
+            section_keys(dotted, inner, inert, unsupported)
+        elif dotted in INERT_IN_SECTIONS:
+            inert.append(dotted)
+        elif not default_only(dotted, inner, inert, unsupported):
+            unsupported.append(dotted)
 
 
 def _same(value: object, default: object) -> bool:

@@ -19,6 +19,7 @@ from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.between_uses import ParamsBetweenUses
 from z3kit_recipes.zero3.runtime.build import EngineParts
 from z3kit_recipes.zero3.runtime.monitor import StepMonitor
+from z3kit_recipes.zero3.runtime.progress import report_progress
 from z3kit_recipes.zero3.runtime.root_hooks import RootForward
 from z3kit_recipes.zero3.runtime.stats import Zero3Stats, collect_stats
 from z3kit_recipes.zero3.step.state import Phase
@@ -55,6 +56,8 @@ class EngineCore:
         #: rank 0's TensorBoard / CSV monitors (``Zero3Config.monitors``), None where none writes
         self.monitor = StepMonitor.open(config.monitors, self.rank, None if micro is None else
                                         micro * config.gradient_accumulation_steps * self.world)
+        if config.steps_per_print is not None and self.optimizer is not None and self.rank == 0:
+            report_progress(0, 0, self.optimizer, self.rank)  # DeepSpeed's line once its optimizer is built
 
     @property
     def global_step(self) -> int:
@@ -163,6 +166,9 @@ class EngineCore:
             scaler = self.parts.loss_scaler
             self.monitor.step(self.global_step, None if self.optimizer is None else self.optimizer.param_groups[0]["lr"],
                               None if scaler is None else scaler.scale)
+        every = self.zero3_config.steps_per_print
+        if every is not None and self.rank == 0 and self.global_step % every == 0:  # DeepSpeed's progress line
+            report_progress(self.global_step, self.skipped_steps, self.optimizer, self.rank)
         self.parts.stats.optimizer_step()
         self.parts.timeline.step_boundary()
         return True
@@ -171,6 +177,11 @@ class EngineCore:
     def last_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped for an fp16 gradient overflow."""
         return self.parts.loss_scaler is not None and self.parts.loss_scaler.last_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 gradient overflow (DeepSpeed's ``skipped_steps``)."""
+        return 0 if self.parts.loss_scaler is None else self.parts.loss_scaler.skipped
 
     @property
     def last_grad_norm(self) -> float | None:

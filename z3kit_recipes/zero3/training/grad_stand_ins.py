@@ -32,14 +32,23 @@ from torch import nn
 from z3kit.withheld import Withheld, withheld_like
 
 
-def _reason(name: str, world: int) -> str:
+#: what a master's stand-in adds: torch.amp.GradScaler's unscale_ and step read the optimizer's gradients
+_FP16_ROUTE = (
+    ". For fp16 loss scaling (the torch.amp.GradScaler recipe: scale, unscale_, step, update), use the engine's "
+    "own: Zero3Config(compute_dtype=\"fp16\") (or the DeepSpeed JSON's fp16 section) and engine.backward(loss), "
+    "engine.step(): it scales the loss, unscales the gradients, skips a step whose gradients overflowed and "
+    "adjusts the scale, as GradScaler does; clip there with gradient_clipping"
+)
+
+
+def _reason(name: str, world: int, master: bool = False) -> str:
     return (
         f"the gradient of {name!r} is sharded: between backward and step each rank holds its 1/{world} "
         "partition of the accumulated sum, not a full .grad. Clip with engine.clip_grad_norm_(max_norm) (or "
         "Zero3Config(gradient_clipping=...) / the JSON's gradient_clipping), which clips by the global norm as "
         "DDP's torch.nn.utils.clip_grad_norm_ does and returns it; engine.last_grad_norm is the last step's norm. "
         "To discard the gradients, set them to None (model.zero_grad() or optimizer.zero_grad(), whose default "
-        "set_to_none=True does), as under DDP"
+        "set_to_none=True does), as under DDP" + (_FP16_ROUTE if master else "")
     )
 
 
@@ -67,7 +76,7 @@ class GradStandIns:
                 key = pid, holder is master
                 shape, stand_in = self._made.get(key, (None, None))
                 if stand_in is None or shape != holder.shape:
-                    stand_in = withheld_like(holder, _reason(self.names[pid], self.world))
+                    stand_in = withheld_like(holder, _reason(self.names[pid], self.world, holder is master))
                     self._made[key] = holder.shape, stand_in
                 holder.grad = stand_in
             if holders:
