@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             print(took, flush=True)
         spec = attrs.evolve(spec, resume=str(resume))
         try:
-            check_resumable(spec.resume, read_client_state(spec.resume), spec, vocab_digest(vocab))
+            check_resumable(str(resume), read_client_state(str(resume)), spec, vocab_digest(vocab))
         except (ValueError, OSError, CheckpointException) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -82,7 +82,7 @@ def spawn_ranks(spec: RunSpec, nproc: int) -> int:
     previous = signal.signal(signal.SIGINT, pass_on)
     # when one rank ends with a status, torch ends the rest with SIGTERM and logs each: after Ctrl-C
     # they are past their last barrier, and after a failure the error below says what happened
-    spawn_log = logging.getLogger(mp.spawn.__module__)
+    spawn_log = logging.getLogger(ProcessExitedException.__module__)  # torch.multiprocessing.spawn
     spawn_log.addFilter(_no_termination_notes)
     try:
         with environment(rank_env):
