@@ -16,15 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from z3kit_recipes.launch import free_port
 from z3kit_recipes.train.interrupt import INTERRUPTED
 
 TINY = ["--model-size", "tiny", "--sample-chars", "0", "--corpus-chars", "50000", "--steps", "100000"]
 COMMAND = [sys.executable, "-m", "z3kit_recipes.train"]
 
 
-def _start(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with (log.with_suffix(".out")).open("wb") as out, (log.with_suffix(".err")).open("wb") as err:
-        return subprocess.Popen([*COMMAND, *argv], cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+        return subprocess.Popen([*COMMAND, *argv], cwd=cwd, stdout=out, stderr=err, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def _wait_for(what: str, done: object, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -99,3 +101,22 @@ def test_ctrl_c_names_the_checkpoint_and_resume_takes_the_run_folder(tmp_path: P
     assert line.endswith(f" --resume {run / kept[1]}; removed the empty run folder {made[1]}")
     assert list(cwd.iterdir()) == []  # runs/<timestamp> and runs/, both this run's, are gone
     assert sorted(p.name for p in run.iterdir()) == kept  # A's checkpoints untouched
+
+
+def test_ctrl_c_under_torchrun_without_a_checkpoint_leaves_no_run_folder(tmp_path: Path) -> None:
+    """As torchrun starts a rank (its variables set; one rank here, in this
+    process): SIGINT to it, no --save-every, no --out: the line says there is
+    nothing to resume, and runs/<timestamp> (and runs/) are gone."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = _start(TINY, tmp_path, tmp_path / "t", env)
+    try:
+        _wait_for("the progress bar", lambda: "step/s" in (tmp_path / "t.err").read_text(), proc)
+        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        out, err = _finish(proc, tmp_path / "t")
+    assert proc.returncode == INTERRUPTED, err
+    made = re.search(r"^output: (\S+)$", out, re.M)
+    assert made is not None
+    assert _interrupted_line(err) == ("interrupted: no checkpoint was saved (--save-every N saves one every N steps), "
+                                      f"nothing to resume; removed the empty run folder {made[1]}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.err", "t.out"]

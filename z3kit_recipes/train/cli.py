@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return _run(args, argv)
-    except KeyboardInterrupt:  # before the ranks started (they answer Ctrl-C themselves), or a second one
+    except KeyboardInterrupt:  # before the ranks started: they answer Ctrl-C themselves
         from z3kit_recipes.train.interrupt import INTERRUPTED
 
         if os.environ.get("RANK", "0") == "0":

@@ -45,6 +45,8 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.at: float | None = None
+        #: the run folder, once the job knows it (what a second Ctrl-C reports from)
+        self.run_dir: Path | None = None
 
     @property
     def requested(self) -> bool:

@@ -68,6 +68,7 @@ def run_job(
     ``interrupt``: under torchrun rank 0 says so, a spawning parent itself)."""
     device = info.device
     out, made = shared_out_dir(spec.out, rank, device)
+    stop.run_dir = out
     corpus = load_corpus(spec.corpus_chars)
     check_same_corpus(corpus, spec, device)
     vocab = CharVocab.from_text(corpus.text)

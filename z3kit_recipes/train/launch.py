@@ -100,12 +100,11 @@ def spawn_ranks(spec: RunSpec, nproc: int) -> int:
         if not interrupted and exc.exit_code != INTERRUPTED:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        interrupted = True
+    else:
+        return 0  # every rank finished: a Ctrl-C after the last step changed nothing
     finally:
         signal.signal(signal.SIGINT, previous)
         spawn_log.removeFilter(_no_termination_notes)
-    if not interrupted:
-        return 0
     removed = remove_if_empty(made)
     line = interrupted_line(last_checkpoint(Path(spec.out), spec.resume), spec.argv,
                             removed=removed[0] if removed else None, torchrun=False)  # fmt: skip
@@ -134,12 +133,14 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
     _init_group(spec, rank, world, info, spawned)
     try:
         status = run_job(spec, rank, world, info, started, stop, spawned=spawned)
-    except KeyboardInterrupt:
-        if spawned:  # a second Ctrl-C: at once, without a traceback (the parent says where to resume)
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, without a traceback
+        if spawned:  # the parent says where to resume
             sys.stderr.flush()
             os._exit(INTERRUPTED)
-        dist.destroy_process_group()
-        raise
+        if rank == 0 and stop.run_dir is not None:
+            print(interrupted_line(last_checkpoint(stop.run_dir, spec.resume), spec.argv, removed=None, torchrun=True),
+                  file=sys.stderr, flush=True)
+        return INTERRUPTED  # the group is left as it is: the other ranks may be anywhere
     except BaseException:
         dist.destroy_process_group()
         raise
