@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,9 @@ def _start(argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = N
                                 env=None if env is None else {**os.environ, **env})
 
 
-def _wait_for(what: str, done: object, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+def _wait_for(what: str, done: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while not callable(done) or not done():
+    while not done():
         assert proc.poll() is None, f"the command ended (status {proc.returncode}) before {what}"
         assert time.monotonic() < deadline, f"no {what} after {timeout} s"
         time.sleep(0.1)
@@ -52,6 +53,23 @@ def _finish(proc: subprocess.Popen[bytes], log: Path) -> tuple[str, str]:
     return log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text()
 
 
+def _interrupt(
+    argv: list[str], cwd: Path, log: Path, ready: Callable[[subprocess.Popen[bytes], str, str], bool],
+    send: Callable[[subprocess.Popen[bytes]], None], env: dict[str, str] | None = None,
+) -> tuple[str, str]:
+    """Run the command until ``ready(process, stdout, stderr)``, ``send`` the
+    signal, and return what it printed and its one ``interrupted`` line."""
+    proc = _start(argv, cwd, log, env)
+    try:
+        _wait_for("the moment to interrupt", lambda: ready(proc, log.with_suffix(".out").read_text(),
+                                                           log.with_suffix(".err").read_text()), proc)
+        send(proc)
+    finally:
+        out, err = _finish(proc, log)
+    assert proc.returncode == INTERRUPTED, err
+    return out, _interrupted_line(err)
+
+
 def _interrupted_line(err: str) -> str:
     assert "Traceback" not in err and "Terminating process" not in err, err
     (line,) = [line for line in err.splitlines() if "interrupted" in line]
@@ -62,14 +80,9 @@ def _interrupted_line(err: str) -> str:
 def test_ctrl_c_names_the_checkpoint_and_resume_takes_the_run_folder(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # A: Ctrl-C at the terminal (SIGINT to the parent and every rank), after --keep-last has rotated
-    a = _start([*TINY, "--save-every", "2", "--keep-last", "2", "--out", str(run)], tmp_path, tmp_path / "a")
-    try:
-        _wait_for("a rotated checkpoint", lambda: "deleted checkpoint-000004" in (tmp_path / "a.out").read_text(), a)
-        os.killpg(a.pid, signal.SIGINT)
-    finally:
-        out, err = _finish(a, tmp_path / "a")
-    assert a.returncode == INTERRUPTED, err
-    line = _interrupted_line(err)
+    out, line = _interrupt([*TINY, "--save-every", "2", "--keep-last", "2", "--out", str(run)], tmp_path, tmp_path / "a",
+                           lambda _, out, __: "deleted checkpoint-000004" in out,  # a rotated checkpoint
+                           lambda proc: os.killpg(proc.pid, signal.SIGINT))
     kept = sorted(p.name for p in run.iterdir())
     # only this run's newest two: each save deleted the oldest beyond two, and nothing else is there
     assert len(kept) == 2 and all(re.fullmatch(r"checkpoint-\d{6}", k) for k in kept), kept
@@ -84,17 +97,11 @@ def test_ctrl_c_names_the_checkpoint_and_resume_takes_the_run_folder(tmp_path: P
     # B: --resume the run folder (its latest checkpoint), no --save-every, no --out; SIGINT to one rank only
     cwd = tmp_path / "b"
     cwd.mkdir()
-    b = _start([*TINY, "--resume", str(run)], cwd, tmp_path / "b")
-    try:
-        resumed = f"resumed from {run / kept[1]} at step {last}"
-        _wait_for("the resumed run", lambda: resumed in (tmp_path / "b.out").read_text(), b)
-        _wait_for("the ranks", lambda: len(_ranks(b)) == 2, b)
-        os.kill(_ranks(b)[-1], signal.SIGINT)
-    finally:
-        out, err = _finish(b, tmp_path / "b")
-    assert b.returncode == INTERRUPTED, err
+    resumed = f"resumed from {run / kept[1]} at step {last}"
+    out, line = _interrupt([*TINY, "--resume", str(run)], cwd, tmp_path / "b",
+                           lambda proc, out, _: resumed in out and len(_ranks(proc)) == 2,
+                           lambda proc: os.kill(_ranks(proc)[-1], signal.SIGINT))
     assert f"--resume {run}: taking its latest checkpoint, {kept[1]} (step {last}, the newest of 2)" in out
-    line = _interrupted_line(err)
     assert line.startswith(f"interrupted: the last checkpoint is {run / kept[1]} (step {last}); resume with: ")
     made = re.search(r"^output: (\S+)$", out, re.M)
     assert made is not None and Path(made[1]).parent == Path("runs")
@@ -108,15 +115,10 @@ def test_ctrl_c_under_torchrun_without_a_checkpoint_leaves_no_run_folder(tmp_pat
     process): SIGINT to it, no --save-every, no --out: the line says there is
     nothing to resume, and runs/<timestamp> (and runs/) are gone."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = _start(TINY, tmp_path, tmp_path / "t", env)
-    try:
-        _wait_for("the progress bar", lambda: "step/s" in (tmp_path / "t.err").read_text(), proc)
-        os.kill(proc.pid, signal.SIGINT)
-    finally:
-        out, err = _finish(proc, tmp_path / "t")
-    assert proc.returncode == INTERRUPTED, err
+    out, line = _interrupt(TINY, tmp_path, tmp_path / "t", lambda _, __, err: "step/s" in err,  # the progress bar
+                           lambda proc: os.kill(proc.pid, signal.SIGINT), env)
     made = re.search(r"^output: (\S+)$", out, re.M)
     assert made is not None
-    assert _interrupted_line(err) == ("interrupted: no checkpoint was saved (--save-every N saves one every N steps), "
-                                      f"nothing to resume; removed the empty run folder {made[1]}")
+    assert line == ("interrupted: no checkpoint was saved (--save-every N saves one every N steps), "
+                    f"nothing to resume; removed the empty run folder {made[1]}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.err", "t.out"]
