@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Final
+from typing import Any, Final
 
 from z3kit_recipes.train.run_folder import CHECKPOINT_NAME, complete_checkpoints
 
@@ -45,6 +45,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.at: float | None = None
+        self._previous: Any = signal.SIG_DFL
         #: the run folder, once the job knows it (what a second Ctrl-C reports from)
         self.run_dir: Path | None = None
 
@@ -53,8 +54,12 @@ class StopRequest:
         return self.at is not None
 
     def install(self) -> None:
-        """Answer SIGINT from now on (in the main thread)."""
-        signal.signal(signal.SIGINT, self._on_sigint)
+        """Answer SIGINT from now on (in the main thread), until ``uninstall``."""
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def uninstall(self) -> None:
+        """SIGINT as it was answered before ``install`` (the process goes on: torchrun's rank returns from main)."""
+        signal.signal(signal.SIGINT, self._previous)
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()

@@ -137,11 +137,13 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
         if spawned:  # the parent says where to resume
             sys.stderr.flush()
             os._exit(INTERRUPTED)
+        stop.uninstall()
         if rank == 0 and stop.run_dir is not None:
             print(interrupted_line(last_checkpoint(stop.run_dir, spec.resume), spec.argv, removed=None, torchrun=True),
                   file=sys.stderr, flush=True)
         return INTERRUPTED  # the group is left as it is: the other ranks may be anywhere
     except BaseException:
+        stop.uninstall()
         dist.destroy_process_group()
         raise
     if spawned:
@@ -149,6 +151,7 @@ def run_rank(spec: RunSpec, rank: int, world: int, info: DeviceInfo, *, spawned:
     # under torchrun this is the caller's process, and main() returns
     dist.barrier()
     dist.destroy_process_group()
+    stop.uninstall()
     return status
 
 
