@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.plan_traces import StepBuilder, root_around_blocks
 from z3kit.policy_planner import StockPlanner
 from z3kit.recorded_step import Phase, RecordedStep
 from z3kit.schedule_plan import PlanError, SchedulePlan, SchedulePlanner, check_plan, own_releases
-from z3kit_recipes.planners import KeepLastUnits, MemoryBudget, PrefetchAhead
+from z3kit.testing import StepBuilder, root_around_blocks
+from z3kit_recipes.planners import KeepLastUnits, KeepUnitsGathered, MemoryBudget, PrefetchAhead
 
 CHAIN = RecordedStep.chain([("emb", [0]), ("b0", [1, 2]), ("b1", [3, 4]), ("head", [5])],
                            [100, 50, 50, 50, 50, 100])
@@ -47,6 +47,35 @@ def test_keep_last_units_keeps_the_last_k_and_k0_is_the_fallback() -> None:
     assert live[7] == live[8] == live[10] == 200
     assert plan.release[6] == (5,)  # b0's backward exit: head is the least recent of three
     assert check_plan(plan, CHAIN, "k2").prefetches == 0
+
+
+def test_keep_units_gathered_keeps_the_named_units_from_step_to_step() -> None:
+    step = root_around_blocks(blocks=3)  # '<root>' (#0) in flight around blocks.0-2 (#1-#6), 100 elements each
+    plan = KeepUnitsGathered(("blocks.1", "blocks")).plan(step)  # "blocks" covers the units under it
+    assert plan.keep_units == ("blocks.1", "blocks.0", "blocks.2")
+    assert not {p for ids in plan.release for p in ids} & set(range(1, 7))  # never released
+    summary = check_plan(plan, step, "keep")
+    assert (summary.kept, summary.kept_numel, summary.peak_live_numel) == (frozenset(range(1, 7)), 600, 1000)
+    # each block gathered in forward and in backward (6), instead one gather after the optimizer step
+    assert summary.saved_gathers == 5
+    assert plan.describe(step).splitlines()[0] == ("kept gathered across steps: blocks.1, blocks.0, blocks.2 "
+                                                   "(#1,#2,#3,#4,#5,#6), 600 elements")
+    assert check_plan(KeepUnitsGathered(()).plan(step), step, "none") == check_plan(
+        SchedulePlan.of([()] * len(step.fetches), own_releases(step)), step, "fallback")
+
+
+def test_keeping_units_is_checked() -> None:
+    step = root_around_blocks(blocks=2)
+    with pytest.raises(PlanError, match=r"^planner keep keeps unit 'blocks' gathered across steps, but the step has "
+                                        r"no unit of that name \(its units: '<root>', 'blocks.0', 'blocks.1'\)$"):
+        check_plan(SchedulePlan.of([()] * len(step.fetches), own_releases(step), keep_units=["blocks"]), step, "keep")
+    with pytest.raises(PlanError, match=r"releases parameter #1 at the exit of 'blocks.0' \(exit 0\), but keeps it "
+                                        r"gathered across steps \(keep_units \['blocks.0'\]\)"):
+        check_plan(SchedulePlan.of([()] * len(step.fetches), own_releases(step), keep_units=["blocks.0"]), step, "k")
+    with pytest.raises(PlanError, match="keeps unit 'lm_head' gathered"):
+        check_plan(KeepUnitsGathered(["lm_head"]).plan(step), step, "keep")
+    with pytest.raises(TypeError, match=r"got the string 'blocks.0': use \('blocks.0',\)"):
+        KeepUnitsGathered("blocks.0")  # type: ignore[arg-type]
 
 
 def test_prefetch_ahead_gathers_the_next_n_units() -> None:

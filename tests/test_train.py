@@ -637,6 +637,8 @@ def test_resume_refuses_what_is_not_a_checkpoint(
     ("argv", "message"),
     [
         (["--save-every", "0"], "--save-every"),
+        (["--save-every", "1", "--keep-last", "0"], "--keep-last: must be >= 1"),
+        (["--keep-last", "2"], "--keep-last 2 rotates the checkpoints that --save-every N saves: give --save-every too"),
         (["--resume", "/no/such/checkpoint"], "no such folder"),
         (["--init-from", "/no/such/export"], "no such folder"),
         (["--resume", ".", "--init-from", "."], "not allowed with"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from z3kit.recorded_step import Phase, RecordedStep
 from z3kit.release import StockReleasePolicy
 from z3kit.schedule_plan import SchedulePlan
 from z3kit.trace import TraceRecorder
-from z3kit_recipes.zero3 import Zero3Config
+from z3kit_recipes.zero3 import DeepSpeedNote, Zero3Config
 
 SHARDED = {"param_persistence_threshold": 0}
 STACK_LAYER = 64 * 64 + 64  # elements of one Linear(64, 64)
@@ -517,8 +518,16 @@ DEEPSPEED = {
 }
 
 
+def from_deepspeed(*args: Any, **kwargs: Any) -> Zero3Config:
+    """``Zero3Config.from_deepspeed`` without the DeepSpeedNotes it gives
+    (what they say is tested in tests/test_zero3_deepspeed_json.py)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeepSpeedNote)
+        return Zero3Config.from_deepspeed(*args, **kwargs)
+
+
 def test_from_deepspeed_maps_keys() -> None:
-    c = Zero3Config.from_deepspeed(DEEPSPEED, hidden_size=64)
+    c = from_deepspeed(DEEPSPEED, hidden_size=64)
     assert c.gradient_accumulation_steps == 8
     assert c.gradient_clipping == 1.0
     assert c.compute_dtype == "bf16"
@@ -528,9 +537,9 @@ def test_from_deepspeed_maps_keys() -> None:
     assert c.max_live_parameters == 1_000_000_000
     assert c.max_reuse_distance == 1000
     assert c.param_persistence_threshold == 640  # "auto": from the model, 10 * hidden_size
-    assert Zero3Config.from_deepspeed({"bf16": {"enabled": False}}).compute_dtype == "fp32"
+    assert from_deepspeed({"bf16": {"enabled": False}}).compute_dtype == "fp32"
     # a JSON that leaves gradient_clipping out clips as DeepSpeed does by default
-    assert Zero3Config.from_deepspeed({}) == Zero3Config(gradient_clipping=1.0)
+    assert from_deepspeed({}) == Zero3Config(gradient_clipping=1.0)
 
 
 def test_primitive_defaults_agree_with_zero3config() -> None:
@@ -547,15 +556,16 @@ def test_gradient_clipping_is_off_unless_set() -> None:
     # Zero3Config's docstring say: a Zero3Config that leaves it out does not
     # clip; a DeepSpeed JSON that leaves it out gets DeepSpeed's default.
     assert Zero3Config().gradient_clipping == 0.0
-    assert Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3}}).gradient_clipping == 1.0
+    with pytest.warns(DeepSpeedNote, match="gradient_clipping is not in the DeepSpeed config, so DeepSpeed's default"):
+        assert Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3}}).gradient_clipping == 1.0
 
 
 def test_from_deepspeed_reads_a_json_file(tmp_path: Any) -> None:
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(DEEPSPEED))
-    from_dict = Zero3Config.from_deepspeed(DEEPSPEED, hidden_size=64)
-    assert Zero3Config.from_deepspeed(path, hidden_size=64) == from_dict
-    assert Zero3Config.from_deepspeed(str(path), hidden_size=64) == from_dict
+    from_dict = from_deepspeed(DEEPSPEED, hidden_size=64)
+    assert from_deepspeed(path, hidden_size=64) == from_dict
+    assert from_deepspeed(str(path), hidden_size=64) == from_dict
 
 
 def test_from_deepspeed_fills_auto_sizes_from_the_model_only() -> None:
@@ -563,18 +573,18 @@ def test_from_deepspeed_fills_auto_sizes_from_the_model_only() -> None:
              "stage3_max_reuse_distance", "stage3_max_live_parameters")
     ds = {"zero_optimization": {"stage": 3, **dict.fromkeys(sizes, "auto")}}
     # a block of width 8: 12 * 8 * 8 + 13 * 8 = 872 elements; live: two blocks and a quarter (1744 + 218)
-    c = Zero3Config.from_deepspeed(ds, hidden_size=8)
+    c = from_deepspeed(ds, hidden_size=8)
     assert (c.param_persistence_threshold, c.prefetch_bucket_size, c.reduce_bucket_size,
             c.max_reuse_distance, c.max_live_parameters) == (80, 872, 872, 872, 1962)
-    assert Zero3Config.from_deepspeed(ds, hidden_size=16).prefetch_bucket_size == 12 * 16 * 16 + 13 * 16
+    assert from_deepspeed(ds, hidden_size=16).prefetch_bucket_size == 12 * 16 * 16 + 13 * 16
     # without the model there is no value for "auto": refused, every key named, the way out said
     with pytest.raises(ValueError, match="hidden_size") as info:
         Zero3Config.from_deepspeed(ds)
     assert all(f"zero_optimization.{key}" in str(info.value) for key in sizes)
     # a written number is taken as written, with or without the model
     fixed = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
-    assert Zero3Config.from_deepspeed(fixed, hidden_size=8).reduce_bucket_size == 1000
-    assert Zero3Config.from_deepspeed(fixed).reduce_bucket_size == 1000
+    assert from_deepspeed(fixed, hidden_size=8).reduce_bucket_size == 1000
+    assert from_deepspeed(fixed).reduce_bucket_size == 1000
 
 
 @pytest.mark.parametrize(

@@ -66,8 +66,9 @@ def test_the_hf_json_is_read_as_the_trainer_fills_it() -> None:
     assert "z3kit does not offload" in notes[0] and "more device memory than under DeepSpeed" in notes[0]
     assert "\n" not in notes[0]
     # bf16 chosen: fp16 "auto" is off, and bf16 is the compute dtype
-    bf16 = zero3.Zero3Config.from_deepspeed(HF_JSON, hidden_size=HIDDEN, auto=attrs.evolve(VALUES, bf16=True), world=2)
-    assert bf16.compute_dtype == "bf16"
+    bf16, again = notes_of(lambda: zero3.Zero3Config.from_deepspeed(HF_JSON, hidden_size=HIDDEN,
+                                                                     auto=attrs.evolve(VALUES, bf16=True), world=2))
+    assert bf16.compute_dtype == "bf16" and again == notes
 
 
 def test_auto_without_a_value_is_refused_naming_the_key_and_the_field() -> None:

@@ -28,7 +28,7 @@ from z3kit.recorded_step import RecordedStep
 from z3kit.release import StockReleasePolicy
 from z3kit.schedule_plan import SchedulePlan, own_releases
 from z3kit_recipes import zero3
-from z3kit_recipes.planners import KeepLastUnits, MemoryBudget, PrefetchAhead
+from z3kit_recipes.planners import KeepLastUnits, KeepUnitsGathered, MemoryBudget, PrefetchAhead
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "plan_sequences.json").read_text())
 
@@ -90,6 +90,44 @@ def test_example_planners_train_at_ddp_parity_and_show_in_stats(pools: Any, work
     lines = ahead["plan"].splitlines()
     assert lines[0] == f"planner {PLANNERS['prefetch_2']!r}" and len(lines) == 1 + 2 * 2 * 9
     assert "prefetch #" in ahead["plan"] and "prefetch #" not in keep["plan"]
+
+
+#: the embedding (tied to the head) and the last two of four blocks
+KEEP = ("tok_emb", "blocks.2", "blocks.3")
+
+
+def _keep(ctx: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    case = Case("gpt_hf_4", STACK, steps=3)
+    engine, ref, _ = build_pair(ctx, case, planner=KeepUnitsGathered(names))
+    res = train_steps(ctx, engine, ref, case, range(case.steps), new_result(engine, ref))
+    stats = engine.stats()
+    kept = {id(p): p.numel() for name in KEEP for p in ref.model.get_submodule(name).parameters()}  # DDP's full copy
+    return {"pair": finish(engine, ref, res), "gathers": stats.collectives["all_gather"]["calls"],
+            "saved": stats.plan_saved_gathers, "kept_numel": stats.plan_kept_numel, "units": stats.plan_kept_units,
+            "gathered_after_step": res.gathered_after_step, "numel": sum(kept.values()),
+            "text": str(stats), "plan": engine.schedule_plan()}
+
+
+def test_a_planner_keeps_named_units_gathered_across_steps(pools: Any) -> None:
+    """KeepUnitsGathered keeps the embedding (tied to the head) and the last
+    two blocks gathered from step to step, at DDP parity (so a kept copy is
+    gathered afresh after each optimizer step, never stale), and the
+    all-gathers a step makes fall by what stats() says keeping saves."""
+    kept, plain = pools.run(2, _keep, KEEP), pools.run(2, _keep, ())
+    assert_pair([r["pair"] for r in kept])
+    assert_pair([r["pair"] for r in plain])
+    k, p = kept[0], plain[0]
+    numel = k["numel"]  # the embedding (also the head's weight) and both blocks
+    assert k["units"] == KEEP and k["kept_numel"] == numel
+    # each step starts with them gathered again (the refresh after the optimizer step), and the rest freed
+    assert k["gathered_after_step"] == [numel] * 3 and p["gathered_after_step"] == [0] * 3
+    # forward: the embedding, both blocks and the head; backward the same four: one refresh instead
+    assert (k["saved"], p["saved"]) == (7, 0)
+    assert (k["gathers"], p["gathers"]) == (9, 16)  # 16: every fetch but the root's (no parameters of its own)
+    assert "planner               KeepUnitsGathered(names=('tok_emb', 'blocks.2', 'blocks.3')" in k["text"]
+    assert f"keeps tok_emb, blocks.2, blocks.3 gathered across steps ({numel / 1000:.2f}k elements), 7 all-gather(s) per step saved" in k["text"]
+    assert "prefetch" not in k["text"].split("buckets")[1].splitlines()[0]  # the stock knob does not apply
+    assert k["plan"].splitlines()[1].startswith("kept gathered across steps: tok_emb, blocks.2, blocks.3")
 
 
 class ReleasesTheRoot:

@@ -515,6 +515,7 @@ def hf_loss(m: Any, b: dict[str, Any], step: int) -> torch.Tensor:
 WORKLOADS: dict[str, Workload] = {
     "mlp": Workload(MLP, vec_batch, vec_loss),
     "gpt_hf": Workload(lambda: TinyTransformer("hf"), token_batch, token_loss),
+    "gpt_hf_4": Workload(lambda: TinyTransformer("hf", layers=4), token_batch, token_loss),
     "gpt_functional": Workload(lambda: TinyTransformer("functional"), token_batch, token_loss),
     "odd": Workload(OddModel, vec_batch, vec_loss),
     "reuse": Workload(ReuseModel, vec_batch, vec_loss),

@@ -8,12 +8,15 @@ same trace, with no policy call per module; before a trace exists, and off
 it, it falls back to the simplest schedule: no prefetch, and a unit's own
 parameters released at its exit.
 
-``check_plan`` refuses, before the plan is used, one that names a bad id,
-releases a persistent parameter, one that the exiting unit returned, or
-one that a unit in flight needs, or whose live elements exceed its
-``live_limit``; the message names the planner, the unit and the id. A
-prefetch of a parameter already gathered, or a release of one that is not,
-does nothing.
+A plan may also keep named units gathered across steps (``keep_units``,
+``z3kit.kept_units``).
+
+``check_plan`` refuses, before the plan is used, one that names a bad id
+or a unit the step does not have, releases a persistent parameter, one
+that the exiting unit returned, one that a unit in flight needs, or one
+it keeps, or whose live elements exceed its ``live_limit``; the message
+names the planner, the unit and the id. A prefetch of a parameter already
+gathered, or a release of one that is not, does nothing.
 
 Pure bookkeeping over integer ids: no tensors, no process group.
 """
@@ -25,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from z3kit.kept_units import kept_ids, saved_gathers, unit_params
 from z3kit.recorded_step import EventKind, RecordedStep
 from z3kit.validate import is_int
 
@@ -35,24 +39,34 @@ Ids = tuple[int, ...]
 class SchedulePlan:
     """``prefetch[i]``: ids gathered after fetch ``i``; ``release[k]``: ids
     released at exit ``k``; ``live_limit``: the most elements the plan may
-    keep gathered (None: no limit of its own). ``planner`` names who made it."""
+    keep gathered (None: no limit of its own). ``planner`` names who made it.
+    ``keep_units``: fetch units (by name) whose parameters stay gathered
+    across steps, gathered again right after each optimizer step
+    (``z3kit.kept_units``); a plan never releases them."""
 
     prefetch: tuple[Ids, ...]
     release: tuple[Ids, ...]
     live_limit: int | None = None
     planner: str = ""
+    keep_units: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, prefetch: Sequence[Sequence[int]], release: Sequence[Sequence[int]], *,
-           live_limit: int | None = None, planner: str = "") -> SchedulePlan:
+           live_limit: int | None = None, planner: str = "", keep_units: Sequence[str] = ()) -> SchedulePlan:
         """A plan from lists (each made a tuple)."""
-        return cls(tuple(tuple(ids) for ids in prefetch), tuple(tuple(ids) for ids in release), live_limit, planner)
+        return cls(tuple(tuple(ids) for ids in prefetch), tuple(tuple(ids) for ids in release), live_limit, planner,
+                   tuple(keep_units))
 
     def describe(self, step: RecordedStep) -> str:
         """The plan as text, one line per fetch and exit, to print or diff:
         which unit holds what, when, and the live elements after each line."""
-        live = set(step.gathered_at_start) | set(step.inflight_at_start)
+        units = unit_params(step)
+        kept = {p for name in self.keep_units for p in units.get(name, ())} - step.persistent
+        live = set(step.gathered_at_start) | set(step.inflight_at_start) | kept
         lines = []
+        if kept:
+            lines.append(f"kept gathered across steps: {', '.join(self.keep_units)} ({_ids(sorted(kept))}), "
+                         f"{sum(step.numels[p] for p in kept):,} elements")
         for event in step.events:
             if event.kind is EventKind.FETCH:
                 f = step.fetches[event.index]
@@ -108,10 +122,15 @@ class PlanError(ValueError):
 
 @attrs.frozen
 class PlanSummary:
-    """What a checked plan does: its peak of live elements, and its prefetch gathers."""
+    """What a checked plan does: its peak of live elements, its prefetch
+    gathers, the ids it keeps gathered across steps, their elements, and
+    the gathers per step that keeping them saves (``z3kit.kept_units``)."""
 
     peak_live_numel: int
     prefetches: int
+    kept: frozenset[int] = frozenset()
+    kept_numel: int = 0
+    saved_gathers: int = 0
 
 
 def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
@@ -134,8 +153,12 @@ def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
                             "gathered for the whole run and are never planned")
         return pid
 
+    try:
+        kept = kept_ids(plan.keep_units, step, who)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     in_flight = step.in_flight_after()
-    live = set(step.gathered_at_start) | set(step.inflight_at_start)
+    live = set(step.gathered_at_start) | set(step.inflight_at_start) | kept
     peak = live_numel = sum(step.numels[p] for p in live)
     prefetches = 0
     for event in step.events:
@@ -146,6 +169,9 @@ def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
                 valid(pid, where)
                 if pid in e.keep:
                     raise PlanError(f"{who} releases parameter #{pid} at {where}, but the unit's forward returned it")
+                if pid in kept:
+                    raise PlanError(f"{who} releases parameter #{pid} at {where}, but keeps it gathered across steps "
+                                    f"(keep_units {list(plan.keep_units)})")
                 holders = [unit for unit, pids in in_flight[event.index].items() if pid in pids]
                 if holders:
                     raise PlanError(f"{who} releases parameter #{pid} at {where}, while {holders[0]!r}, in flight, "
@@ -171,4 +197,5 @@ def check_plan(plan: object, step: RecordedStep, planner: str) -> PlanSummary:
             at = step.unit_of(event)[0]
             raise PlanError(f"{who} keeps {live_numel:,} elements gathered at the fetch of {at!r}, over its "
                             f"live limit of {plan.live_limit:,}")
-    return PlanSummary(peak, prefetches)
+    saved = saved_gathers(step, plan.prefetch, plan.release, own_releases(step), kept)
+    return PlanSummary(peak, prefetches, kept, sum(step.numels[p] for p in kept), saved)

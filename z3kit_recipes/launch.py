@@ -56,9 +56,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def leave_together() -> None:
+def leave_together(status: int = 0) -> None:
     """End a rank that finished its work: meet every other rank, then exit
-    with status 0 without tearing the process group down.
+    with ``status`` without tearing the process group down.
 
     torch 2.13's gloo aborts in ``destroy_process_group`` about one run in
     ten (with or without z3kit), which would turn a finished run into a
@@ -70,4 +70,4 @@ def leave_together() -> None:
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

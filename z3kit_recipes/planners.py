@@ -11,6 +11,10 @@ plan before it runs it. Pass one as ``zero3.initialize(..., planner=...)``.
   parameters in one collective.
 - ``MemoryBudget(limit)``: prefetch as far ahead as keeps at most ``limit``
   elements gathered; the plan is refused if a unit alone needs more.
+- ``KeepUnitsGathered(names)``: the named fetch units (the embedding, the
+  last blocks) stay gathered across steps, gathered again once right after
+  each optimizer step instead of at each of their fetches
+  (``z3kit.kept_units``); ``stats().plan_saved_gathers`` counts the saving.
 
 Each releases a unit's own parameters at its exit where it releases at all
 (``own_releases``), and treats parameters under ``persistence_threshold``
@@ -23,6 +27,7 @@ from collections import OrderedDict
 
 import attrs
 
+from z3kit.kept_units import unit_params
 from z3kit.recorded_step import EventKind, RecordedStep
 from z3kit.schedule_plan import Ids, SchedulePlan, own_releases
 from z3kit.validate import int_validator
@@ -119,3 +124,39 @@ class MemoryBudget:
                 picked[p] = None
                 room -= step.numels[p]
         return tuple(picked)
+
+
+def _unit_names(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+    if not all(isinstance(n, str) and n for n in value):
+        raise TypeError(f"{attribute.name} must be fetch-unit names (non-empty strings), got {value!r}")
+
+
+def _names(value: object) -> tuple[object, ...]:
+    if isinstance(value, str):  # one name, not its characters
+        raise TypeError(f"names must be a sequence of fetch-unit names, got the string {value!r}: use ({value!r},)")
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+@attrs.frozen
+class KeepUnitsGathered:
+    """Keep the fetch units ``names`` gathered across steps; release the
+    others' parameters at their exits; prefetch nothing. A name also covers
+    the units under it (``"blocks.3"``: ``blocks.3`` and ``blocks.3.attn``);
+    one that matches no unit is refused when the plan is checked."""
+
+    names: tuple[str, ...] = attrs.field(converter=_names, validator=_unit_names)
+    persistence_threshold: int = attrs.field(default=0, validator=int_validator(at_least=0))
+
+    def is_persistent(self, numel: int) -> bool:
+        return numel < self.persistence_threshold
+
+    def plan(self, step: RecordedStep) -> SchedulePlan:
+        units = unit_params(step)
+        keep: list[str] = []
+        for name in self.names:
+            under = [u for u in units if u == name or u.startswith(name + ".")]
+            keep += under or [name]  # no such unit: check_plan names it
+        keep = list(dict.fromkeys(keep))
+        kept = {p for u in keep for p in units.get(u, ())}
+        release = [tuple(p for p in ids if p not in kept) for ids in own_releases(step)]
+        return SchedulePlan.of([()] * len(step.fetches), release, planner=repr(self), keep_units=keep)

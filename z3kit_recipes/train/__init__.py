@@ -4,7 +4,7 @@
         [--width W --layers L --heads H --seq-len T] [--batch-size B] [--lr LR]
         [--config ds_or_z3kit.json] [--dtype fp32|bf16] [--seed S] [--out DIR]
         [--plot] [--profile] [--sample-chars N] [--prompt TEXT] [--temperature T] [--corpus-chars N]
-        [--save-every N] [--resume CHECKPOINT | --init-from WEIGHTS] [--export WEIGHTS]
+        [--save-every N [--keep-last N]] [--resume CHECKPOINT_OR_RUN | --init-from WEIGHTS] [--export WEIGHTS]
 
     torchrun --nproc-per-node 8 -m z3kit_recipes.train [same options]
 
@@ -53,7 +53,9 @@ chrome://tracing, with the engine's labelled ranges (``z3kit.fetch
 
 Checkpoints (see :mod:`z3kit_recipes.train.checkpointing`): ``--save-every
 N`` saves the sharded training state to ``<out>/checkpoint-<step>`` every
-N optimizer steps and at the end; ``--resume`` continues such a run (saved
+N optimizer steps and at the end (``--keep-last N``: only the newest N it
+saved stay); ``--resume`` continues such a run (a checkpoint, or a run
+folder: its latest; saved
 at any number of ranks) up to ``--steps`` in all, refusing, before any
 process starts, a run whose options differ from the saved one's, and at
 the same world size its losses equal an uninterrupted run's bit for bit;
@@ -62,6 +64,12 @@ the same world size its losses equal an uninterrupted run's bit for bit;
 with the vocabulary as its tokenizer (``pipeline("text-generation")`` loads
 the folder and writes text; :mod:`~z3kit_recipes.train.tokenizer`),
 and ``--init-from`` starts a new run from such weights.
+
+Ctrl-C (:mod:`~z3kit_recipes.train.interrupt`), on every rank or on one,
+stops the ranks together at the end of a step: the command exits with
+status 130 after one line naming the last checkpoint and the command that
+resumes from it, and a run folder it created and left empty is removed
+(:mod:`~z3kit_recipes.train.run_folder`).
 
 tqdm and matplotlib come with the ``cli`` extra (``pip install 'z3kit[cli]'``).
 
@@ -77,7 +85,9 @@ layout of the last two), ``profile`` (``--profile``), ``sample`` (text
 from the trained model), ``memory`` and ``report`` (the summary as records),
 ``render`` (as text), ``plots`` (``--plot``), ``outputs`` (the folder,
 ``loss_history.csv``), ``extras`` (the ``cli`` extra's imports),
-``tokenizer`` (the vocabulary as a Hugging Face tokenizer, for ``--export``).
+``tokenizer`` (the vocabulary as a Hugging Face tokenizer, for ``--export``),
+``run_folder`` (its checkpoints: the latest, the rotation), ``interrupt``
+(Ctrl-C).
 
 The names below are imported when first used (``__getattr__``): importing
 the package, as ``python -m z3kit_recipes.train`` does before it parses

@@ -50,6 +50,7 @@ from z3kit_recipes.models import GPTConfig
 from z3kit_recipes.train import hf_export
 from z3kit_recipes.train.corpus import CharVocab
 from z3kit_recipes.train.loop import LoopStart
+from z3kit_recipes.train.run_folder import checkpoint_path, rotate
 from z3kit_recipes.train.spec import RunSpec
 from z3kit_recipes.zero3.weights.commit import read_manifest
 
@@ -58,11 +59,6 @@ CLIENT_STATE_VERSION: Final = 1
 #: the manifest's kind of a checkpoint (``zero3.weights.checkpoint``) and of an export (``zero3.weights.pretrained``)
 CHECKPOINT_KIND: Final = "z3kit checkpoint"
 EXPORT_KIND: Final = "hugging-face weights"
-
-
-def checkpoint_path(out: Path, step: int) -> Path:
-    """The checkpoint saved after ``step`` optimizer steps."""
-    return out / f"checkpoint-{step:06d}"
 
 
 def vocab_digest(vocab: CharVocab) -> str:
@@ -196,13 +192,20 @@ def init_from(engine: zero3.Zero3Engine, path: str, model: GPTConfig) -> str:
     return f"initialized from {path}"
 
 
+def load_client_state(engine: zero3.Zero3Engine, path: str) -> Any:
+    """Load the checkpoint at ``path`` into the engine (collective); its client state
+    (``load_checkpoint`` answers DeepSpeed's ``(path, client_state)``)."""
+    _, client = engine.load_checkpoint(path)
+    if client is None:
+        raise ValueError(f"--resume {path}: no checkpoint there (an empty folder)")
+    return client
+
+
 def resume(engine: zero3.Zero3Engine, spec: RunSpec, vocab_sha256: str, path: str) -> tuple[LoopStart, int, str]:
     """``--resume``: load the checkpoint (collective), check it continues
     this run, and return where the loop starts, the world size it was saved
     at, and what rank 0 says."""
-    _, client = engine.load_checkpoint(path)  # DeepSpeed's (path, client_state); path is the checkpoint folder
-    if client is None:
-        raise ValueError(f"--resume {path}: no checkpoint there (no such folder, or an empty one)")
+    client = load_client_state(engine, path)
     check_resumable(path, client, spec, vocab_sha256)
     step, table, saved_world = int(client["next_step"]), client["loss_table"], int(client["world"])
     if engine.progress()[0] != step:
@@ -234,6 +237,8 @@ class Checkpointer:
         self.start, self.resumed_world = start, resumed_world
         self.schedule_steps = spec.steps if start.schedule_steps is None else start.schedule_steps
         self.saved: list[SavedCheckpoint] = []
+        #: the checkpoints this run wrote that are still there, oldest first (``--keep-last`` deletes from these)
+        self.kept: list[Path] = []
         self.export_s: float | None = None
 
     def after_step(self, done: int, losses: list[float], lrs: list[float]) -> str | None:
@@ -270,7 +275,15 @@ class Checkpointer:
         self.engine.save_checkpoint(Path(path).parent, tag=Path(path).name, client_state=state, save_latest=False)
         seconds = time.perf_counter() - started
         self.saved.append(SavedCheckpoint(done, str(path), seconds))
-        return f"saved checkpoint {path} (step {done}) in {seconds:.1f} s"
+        said = f"saved checkpoint {path} (step {done}) in {seconds:.1f} s"
+        self.kept = [p for p in self.kept if p != path] + [path]
+        keep = self.spec.keep_last
+        if keep is not None:
+            # rank 0 deletes, after every rank has written (save_checkpoint is collective); the newest stays
+            doomed, self.kept = rotate(self.kept, keep, delete=self.engine.rank == 0)
+            if doomed:
+                said += f"; deleted {', '.join(p.name for p in doomed)} (--keep-last {keep})"
+        return said
 
 
 def _gather_losses(losses: list[float], engine: zero3.Zero3Engine) -> list[list[float]]:

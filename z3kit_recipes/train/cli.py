@@ -5,6 +5,7 @@ then the run settled (``RunSpec``) before any process starts and handed to
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
@@ -35,8 +36,20 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> GPTConf
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: 0 when every rank finished, 2 on bad options or a bad
-    config (before any process starts), 1 when a rank failed."""
+    config (before any process starts), 1 when a rank failed, 130 when
+    Ctrl-C stopped it (with one line that says where to resume from)."""
     args = parse_args(argv)
+    try:
+        return _run(args, argv)
+    except KeyboardInterrupt:  # before the ranks started: they answer Ctrl-C themselves
+        from z3kit_recipes.train.interrupt import INTERRUPTED
+
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted: stopped before training began, nothing to resume", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     try:  # the optional dependencies, before any process starts
         optional_module("tqdm", "the progress bar")
         if args.plot:
@@ -54,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from z3kit_recipes.train.job_values import settle
     from z3kit_recipes.train.launch import run_under_torchrun, spawn_ranks, torchrun_env
     from z3kit_recipes.train.outputs import default_out
+    from z3kit_recipes.train.run_folder import resume_target
     from z3kit_recipes.train.spec import RunSpec
 
     corpus = load_corpus(args.corpus_chars)
@@ -89,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv=tuple(sys.argv[1:] if argv is None else argv),
         model_size=args.model_size,
         save_every=args.save_every,
+        keep_last=args.keep_last,
         resume=None if args.resume is None else str(args.resume),
         init_from=None if args.init_from is None else str(args.init_from),
         export=None if args.export is None else str(args.export),
@@ -98,13 +113,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from z3kit_recipes.train.tokenizer import tokenizer_files
 
         spec = attrs.evolve(spec, export_files=tokenizer_files(vocab, model_config.seq_len))
-    if spec.resume is not None:  # before any process starts: the saved run's options must match
+    if args.resume is not None:  # before any process starts: the saved run's options must match
+        resume, took = resume_target(args.resume)  # a run folder: its latest checkpoint
+        if took is not None and (launched is None or launched[0] == 0):
+            print(took, flush=True)
+        spec = attrs.evolve(spec, resume=str(resume))
         try:
-            check_resumable(spec.resume, read_client_state(spec.resume), spec, vocab_digest(vocab))
+            check_resumable(str(resume), read_client_state(str(resume)), spec, vocab_digest(vocab))
         except (ValueError, OSError, CheckpointException) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     if launched is not None:
-        run_under_torchrun(spec, *launched)
-        return 0
+        return run_under_torchrun(spec, *launched)
     return spawn_ranks(spec, args.nproc)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from z3kit_recipes.models import GPT
 from z3kit_recipes.train import checkpointing
 from z3kit_recipes.train.checkpointing import CheckpointFigures, Checkpointer
 from z3kit_recipes.train.corpus import CharVocab, Corpus, load_corpus
+from z3kit_recipes.train.interrupt import INTERRUPTED, StopRequest, interrupted_line, last_checkpoint
 from z3kit_recipes.train.defaults import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY
 from z3kit_recipes.train.loop import LoopResult, LoopStart, train_steps
 from z3kit_recipes.train.memory import MemoryFigures, RankMemory, Replica, peak_rss_bytes
@@ -26,6 +28,7 @@ from z3kit_recipes.train.outputs import shared_out_dir, write_history
 from z3kit_recipes.train.plots import write_plots
 from z3kit_recipes.train.profile import trace_labels
 from z3kit_recipes.train.render import render_header, render_summary
+from z3kit_recipes.train.run_folder import remove_if_empty
 from z3kit_recipes.train.report import (
     CollectiveFigures,
     CommWait,
@@ -74,10 +77,15 @@ def muon_and_adamw(params: MasterShards, lr: float) -> torch.optim.Optimizer:
         adamw={"lr": lr, "weight_decay": WEIGHT_DECAY})
 
 
-def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: float) -> None:
-    """Train, gather every rank's figures, and (rank 0) write and print the summary."""
+def run_job(
+    spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: float, stop: StopRequest, *, spawned: bool
+) -> int:
+    """Train, gather every rank's figures, and (rank 0) write and print the
+    summary; 0, or :data:`INTERRUPTED` when Ctrl-C stopped the run (see
+    ``interrupt``: under torchrun rank 0 says so, a spawning parent itself)."""
     device = info.device
-    out = shared_out_dir(spec.out, rank, device)
+    out, made = shared_out_dir(spec.out, rank, device)
+    stop.run_dir = out
     corpus = load_corpus(spec.corpus_chars)
     check_same_corpus(corpus, spec, device)
     vocab = CharVocab.from_text(corpus.text)
@@ -101,9 +109,25 @@ def run_job(spec: RunSpec, rank: int, world: int, info: DeviceInfo, started: flo
         said.append(message)
     if rank == 0:
         print("\n".join([render_header(spec, corpus, vocab, engine.stats(), world, info, str(out)), *said]), flush=True)
-    trained = _train_and_gather(engine, data, spec, vocab, rank, world, out, start, resumed_world)
+    trained = _train_and_gather(engine, data, spec, vocab, rank, world, out, start, resumed_world, stop)
+    if trained is None:
+        dist.barrier()  # every rank has stopped writing
+        if rank == 0 and not spawned:
+            removed = remove_if_empty(made)
+            line = interrupted_line(last_checkpoint(out, spec.resume), spec.argv,
+                                    removed=removed[0] if removed else None, torchrun=True)  # fmt: skip
+            print(line, file=sys.stderr, flush=True)
+        return INTERRUPTED
     if rank == 0:
         _report(spec, corpus, vocab, world, info, out, trained, total_s=time.perf_counter() - started)
+    return 0
+
+
+def _stop_check(stop: StopRequest, engine: zero3.Zero3Engine) -> bool:
+    """Whether any rank was asked to stop (collective: the loop asks every rank before each step)."""
+    flag = torch.tensor([int(stop.requested)], dtype=torch.int32, device=engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine.group)
+    return bool(flag.item())
 
 
 def _train_and_gather(
@@ -116,9 +140,13 @@ def _train_and_gather(
     out: Path,
     start: LoopStart,
     resumed_world: int | None,
-) -> _Trained:
+    stop: StopRequest,
+) -> _Trained | None:
+    """The training and every rank's figures; None when the run was interrupted."""
     saver = Checkpointer(engine, spec, out, checkpointing.vocab_digest(vocab), start, resumed_world)
-    loop = train_steps(engine, data, spec, rank, world, out, start, saver.after_step)
+    loop = train_steps(engine, data, spec, rank, world, out, start, saver.after_step, lambda: _stop_check(stop, engine))
+    if loop.interrupted:
+        return None
     # read before anything else runs: the engine's peaks cover the last step,
     # and the full state dict below would add a whole model to the resident set
     final = engine.stats()

@@ -72,6 +72,9 @@ class LoopStart:
     schedule_steps: int | None = None
 
 
+#: asked before each step, on every rank (collective): whether the run should stop there
+StopCheck = Callable[[], bool]
+
 #: called after each optimizer step with (steps done, this rank's losses, the learning rates so
 #: far) on every rank (it may be collective); what it returns, rank 0 prints
 AfterStep = Callable[[int, list[float], list[float]], str | None]
@@ -92,6 +95,8 @@ class LoopResult:
     profile_window: tuple[int, int]
     #: the step this process started at (0, or the resumed checkpoint's)
     first_step: int = 0
+    #: the run stopped before ``spec.steps`` (Ctrl-C; ``StopCheck``), after ``len(losses)`` steps
+    interrupted: bool = False
 
 
 def train_steps(
@@ -103,11 +108,13 @@ def train_steps(
     out: Path,
     start: LoopStart = LoopStart(),
     after_step: AfterStep | None = None,
+    stop: StopCheck | None = None,
 ) -> LoopResult:
     """Optimizer steps ``start.step`` to ``spec.steps - 1`` of
     ``gradient_accumulation_steps`` micro-batches each, with the progress
     bar (rank 0), the timeline capture of the last step, ``--profile`` and
-    ``after_step`` (checkpoints) after each step."""
+    ``after_step`` (checkpoints) after each step; the loop ends early when
+    ``stop`` says so before a step."""
     device = engine.device
     gas = spec.micro_steps
     tokens_per_step = spec.tokens_per_step(world)
@@ -141,8 +148,12 @@ def train_steps(
     train_start = time.perf_counter()
     after_s = 0.0  # spent in after_step
     ema: float | None = None
+    interrupted = False
     try:
         for step in range(start.step, spec.steps):
+            if stop is not None and stop():
+                interrupted = True
+                break
             t0 = time.perf_counter()
             groups = engine.require_optimizer("training").param_groups
             if engine.lr_scheduler is None:
@@ -190,4 +201,5 @@ def train_steps(
             profiler.stop()
         bar.close()
     window = (profile_at, profile_end)
-    return LoopResult(losses, lrs, tally, time.perf_counter() - train_start - after_s, window, start.step)
+    return LoopResult(losses, lrs, tally, time.perf_counter() - train_start - after_s, window, start.step,
+                      interrupted)

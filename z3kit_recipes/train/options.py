@@ -111,10 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=_int_at_least(1), metavar="N",
                    help="save a checkpoint (sharded training state) to OUT/checkpoint-<step> every N optimizer "
                    "steps and at the end")
+    p.add_argument("--keep-last", type=_int_at_least(1), metavar="N",
+                   help="with --save-every, keep only the newest N of the checkpoints this run saves (older ones "
+                   "that it saved are deleted as new ones are written)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", type=Path, metavar="PATH",
                        help="continue the run saved at checkpoint PATH (saved at any number of ranks) up to "
-                       "--steps in all; the run's options (model, corpus, seed, batch size, lr) must match it")
+                       "--steps in all, or, when PATH is a run folder, from its latest checkpoint-* in it; the "
+                       "run's options (model, corpus, seed, batch size, lr) must match it")
     start.add_argument("--init-from", type=Path, metavar="PATH",
                        help="start from the weights of PATH, a Hugging Face-layout safetensors folder "
                        "(what --export writes)")
@@ -151,6 +155,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--config {args.config}: no such file")
     if args.prompt == "":
         parser.error("--prompt must not be empty")
+    if args.keep_last is not None and args.save_every is None:
+        parser.error(f"--keep-last {args.keep_last} rotates the checkpoints that --save-every N saves: "
+                     "give --save-every too")
     for option, path in (("--resume", args.resume), ("--init-from", args.init_from)):
         if path is not None and not path.is_dir():
             parser.error(f"{option} {path}: no such folder")

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from z3kit_recipes.train.run_folder import missing_folders
+
 
 def default_out() -> Path:
     """``./runs/<timestamp>``, with a suffix when that exists already."""
@@ -24,18 +26,20 @@ def default_out() -> Path:
     return out
 
 
-def shared_out_dir(out: str | None, rank: int, device: torch.device) -> Path:
+def shared_out_dir(out: str | None, rank: int, device: torch.device) -> tuple[Path, list[Path]]:
     """The output folder, the same on every rank (collective): ``out``, or
     rank 0's :func:`default_out` when it is None (torchrun without ``--out``).
-    Rank 0 creates it before any rank goes on."""
+    Rank 0 creates it before any rank goes on; with it, the folders rank 0
+    created, deepest first (``run_folder.missing_folders``; none on other ranks)."""
     chosen: list[Any] = [out if out is not None else (str(default_out()) if rank == 0 else None)]
     if out is None:
         dist.broadcast_object_list(chosen, 0, device=device)
     path = Path(chosen[0])
+    made = missing_folders(path) if rank == 0 else []
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    return path
+    return path, made
 
 
 def write_history(path: Path, loss_table: Sequence[Sequence[float]], lrs: Sequence[float]) -> None:

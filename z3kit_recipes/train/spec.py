@@ -38,7 +38,9 @@ class RunSpec:
     model_size: str = ""
     #: ``--save-every``: a checkpoint every so many optimizer steps and at the end (None: none)
     save_every: int | None = None
-    #: ``--resume``: the checkpoint to continue from
+    #: ``--keep-last``: keep only the newest so many of the checkpoints this run saves (None: all)
+    keep_last: int | None = None
+    #: ``--resume``: the checkpoint to continue from (a run folder's latest, when it named the folder)
     resume: str | None = None
     #: ``--init-from``: a Hugging Face-layout safetensors directory to start from
     init_from: str | None = None

@@ -12,6 +12,7 @@ import attrs
 from z3kit.links import LinkClass
 from z3kit.memory import MemoryKind, MemoryReport, device_peak_bytes, storage_bytes
 from z3kit.sharded_muon import MuonReport, ShardedMuon
+from z3kit.policy_planner import PolicyPlanner, StockPlanner
 from z3kit_recipes.zero3.compile.compiled import CompileStats
 from z3kit_recipes.zero3.config.budget import MemoryPlan
 from z3kit_recipes.zero3.runtime.build import EngineParts
@@ -92,6 +93,16 @@ class Zero3Stats:
     #: AdamW, each Muon matrix's owner rank, the last step's Muon bytes and seconds (its two all-to-alls
     #: are not in ``collectives``); None with any other optimizer
     muon: MuonReport | None = None
+    #: whether the config's scheduling knobs (``max_live_parameters``, ``prefetch_bucket_size``)
+    #: apply: the stock planner's, or a release policy and prefetch limiter replayed; not a ``planner=``
+    planner_uses_knobs: bool = True
+    #: the plan's own limit of live elements (``SchedulePlan.live_limit``), if it has one
+    plan_live_limit: int | None = None
+    #: the units the plan keeps gathered across steps, their elements, and the all-gathers
+    #: per step that keeping them saves (``z3kit.kept_units``)
+    plan_kept_units: tuple[str, ...] = ()
+    plan_kept_numel: int = 0
+    plan_saved_gathers: int = 0
 
     @property
     def comm_wait_share(self) -> float:
@@ -131,9 +142,11 @@ def _table(s: Zero3Stats) -> list[str]:
     lines += [
         f"  resident elements     params {count(s.resident_param_numel)}, fp32 masters {count(s.resident_master_numel)}, "
         f"grads {count(s.resident_grad_numel)}",
-        f"  gathered elements     now {count(s.live_numel)}, peak {count(s.peak_live_numel)} of "
-        f"{count(s.max_live_parameters)} (largest fetch {count(s.largest_fetch_numel)}, {s.fetch_units} fetch units)",
-        f"  buckets               reduce {count(s.reduce_bucket_numel)}, prefetch {count(s.prefetch_bucket_numel)} elements",
+        f"  gathered elements     now {count(s.live_numel)}, peak {count(s.peak_live_numel)}{_live_limit(s)} "
+        f"(largest fetch {count(s.largest_fetch_numel)}, {s.fetch_units} fetch units)",
+        f"  buckets               reduce {count(s.reduce_bucket_numel)}"
+        + (f", prefetch {count(s.prefetch_bucket_numel)}" if s.planner_uses_knobs else "") + " elements",
+        _planner(s),
         "  collectives           " + (", ".join(
             f"{kind} {c['calls']} call(s), {size(c.get('bytes', 0))}" for kind, c in sorted(s.collectives.items())
             if c["calls"]) or "none")
@@ -164,11 +177,33 @@ def _table(s: Zero3Stats) -> list[str]:
     return lines
 
 
+def _live_limit(s: Zero3Stats) -> str:
+    """The limit the live elements are held to: the config's under its knobs, else the plan's, if any."""
+    limit = s.max_live_parameters if s.planner_uses_knobs else s.plan_live_limit
+    return "" if limit is None else f" of {count(limit)}"
+
+
+def _planner(s: Zero3Stats) -> str:
+    """The planner line: who plans, what its plan prefetches and peaks at, and what it keeps across steps."""
+    if not s.planner:
+        return "  planner               none yet"
+    line = f"  planner               {s.planner}: "
+    if not s.plan_peak_live_numel:
+        return line + "no plan yet (the first training step records the trace it plans)"
+    line += f"{s.plan_prefetches} prefetch gather(s) per step, planned peak {count(s.plan_peak_live_numel)}"
+    if s.plan_kept_units:
+        line += (f"; keeps {', '.join(s.plan_kept_units)} gathered across steps ({count(s.plan_kept_numel)} "
+                 f"elements), {s.plan_saved_gathers} all-gather(s) per step saved")
+    return line
+
+
 def collect_stats(parts: EngineParts) -> Zero3Stats:
     """``engine.stats()``: the parts' figures, read from their fields."""
     layout, coordinator, reducer, limiter = parts.layout, parts.coordinator, parts.reducer, parts.limiter
     last = parts.stats.last
     step, scaler = parts.optimizer_step, parts.loss_scaler
+    plans = coordinator.plans
+    summary = plans.summary if plans.plan is not None else None
     return Zero3Stats(
         global_step=parts.step_state.global_step,
         micro_step=parts.step_state.micro_step,
@@ -202,8 +237,13 @@ def collect_stats(parts: EngineParts) -> Zero3Stats:
         nodes=1 if parts.log.node_map is None else parts.log.node_map.nodes(),
         fetch_units=len(coordinator.module_params),
         host_work=last.host_work,
-        planner=coordinator.plans.planner_name,
-        plan_prefetches=0 if coordinator.plans.summary is None else coordinator.plans.summary.prefetches,
-        plan_peak_live_numel=0 if coordinator.plans.summary is None else coordinator.plans.summary.peak_live_numel,
+        planner=plans.planner_name,
+        plan_prefetches=0 if summary is None else summary.prefetches,
+        plan_peak_live_numel=0 if summary is None else summary.peak_live_numel,
+        planner_uses_knobs=isinstance(plans.planner, (StockPlanner, PolicyPlanner)),
+        plan_live_limit=None if plans.plan is None else plans.plan.live_limit,
+        plan_kept_units=() if summary is None or plans.plan is None else plans.plan.keep_units,
+        plan_kept_numel=0 if summary is None else summary.kept_numel,
+        plan_saved_gathers=0 if summary is None else summary.saved_gathers,
         muon=parts.optimizer.report if isinstance(parts.optimizer, ShardedMuon) else None,
     )

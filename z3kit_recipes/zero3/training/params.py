@@ -235,11 +235,12 @@ class ParamCoordinator:
         planned = self.plans.at_exit(module, self.traced.fetch_index(module), keep) if self.step.tracing else None
         if planned == ():  # the plan releases nothing here
             return
-        persistent, shards, held = self.persistent, self.shards, self.holds.held
+        persistent, shards, held, kept = self.persistent, self.shards, self.holds.held, self.plans.kept
         chosen = [
             p
             for p in (pids if planned is None else planned)
             if not persistent[p]
+            and p not in kept
             and shards[p].status is ParamStatus.AVAILABLE
             and not held(p)
             and p not in keep
@@ -269,21 +270,25 @@ class ParamCoordinator:
 
     def unpin(self, pids: Iterable[int]) -> None:
         """Undo one ``pin`` of ``pids``; free those no longer pinned or used."""
-        self.discard(p for p in self.holds.unpin(pids) if not self.persistent[p])
+        self.discard(p for p in self.holds.unpin(pids) if not self.persistent[p] and p not in self.plans.kept)
 
     def release_all(self) -> None:
         """Complete gathers in flight and free every parameter that is neither
-        persistent nor pinned (end of backward, after an eval forward, after an error)."""
+        persistent, nor pinned, nor kept across steps by the plan (end of
+        backward, after an eval forward, after an error)."""
         self.gatherer.wait_inflight()
         self.holds.drop_modules()
-        self.gatherer.free(p for p in self.gatherer.gathered() if not self.persistent[p] and not self.holds.pinned(p))
+        kept = self.plans.kept
+        self.gatherer.free(p for p in self.gatherer.gathered()
+                           if not self.persistent[p] and not self.holds.pinned(p) and p not in kept)
 
     def shards_changed(self, pids: Sequence[int], *, written_later: frozenset[int] = frozenset()) -> None:
         """The shards of ``pids`` changed, between forwards (``EngineCore.shards_changed``
         is the one caller): every copy made from them is stale. Gathers in
         flight are completed and hpZ's slices dropped; gathered copies are
         freed, and those that stay gathered between forwards (persistent
-        ones, and pinned ones: ``gathered_parameters``) are gathered again,
+        ones, pinned ones: ``gathered_parameters``, and those the plan keeps
+        across steps: ``z3kit.kept_units``) are gathered again,
         in one collective (left in flight with ``overlap_comm``), ready for
         the next forward; persistent ones of ``written_later`` (shards an
         offloaded step is still writing) are left to their next use, whose
@@ -293,6 +298,8 @@ class ParamCoordinator:
         stale = [p for p in pids if self.shards[p].status is ParamStatus.AVAILABLE]
         self.gatherer.free(stale)
         again = [p for p in stale if (self.persistent[p] and p not in written_later) or self.holds.pinned(p)]
+        # the units the plan keeps across steps, gathered or not: the next step starts with them
+        again += sorted(self.plans.kept.intersection(pids).difference(written_later, again))
         if again:
             self.gatherer.gather(again, wait=not self.gatherer.overlap or any(self.holds.pinned(p) for p in again))
 

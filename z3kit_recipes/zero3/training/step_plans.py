@@ -13,7 +13,9 @@ that is not the recorded one, the fallback applies: no prefetch, and the
 exiting unit's parameters released.
 
 The record assumes what a step after an optimizer step starts with: the
-persistent parameters gathered (in flight with ``overlap_comm``).
+persistent parameters gathered (in flight with ``overlap_comm``); a plan
+that keeps units gathered across steps (``z3kit.kept_units``) adds theirs,
+and ``kept`` tells the runtime which ids those are while the plan is in force.
 
 Pure bookkeeping over module objects and ids.
 """
@@ -99,6 +101,11 @@ class StepPlans:
         self.summary = check_plan(plan, self.recorded, self.planner_name)
         self.plan = plan
         self._exit_units = tuple(e.unit_id for e in self.recorded.exits)
+
+    @property
+    def kept(self) -> frozenset[int]:
+        """The ids the plan in force keeps gathered across steps (none without a plan)."""
+        return self.summary.kept if self.plan is not None and self.summary is not None else frozenset()
 
     def describe(self) -> str:
         """The plan as text (``SchedulePlan.describe``), or why there is none."""

@@ -1,9 +1,12 @@
-"""Hand-built recorded steps, to unit-test planners without a process group.
+"""Hand-built recorded steps, to test planners without a process group.
 
 ``RecordedStep.chain`` (``z3kit.recorded_step``) gives a stack of units; the
-builders here add what a chain does not have: a unit that stays in flight
-around others (a model whose root owns the embedding and the head), and a
-parameter two units share (a tied embedding).
+builders here add what a chain does not have: ``StepBuilder`` writes a step
+fetch by fetch and exit by exit (a unit in flight around others, a
+parameter two units share, what a forward returns), and
+``root_around_blocks`` is such a step, a root that owns a tied embedding
+and head in flight around its blocks. Shipped with the package so that a
+planner's own tests can use them (``docs/schedulers.md``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from z3kit.recorded_step import EventKind, Phase, RecordedStep, StepEvent, UnitExit, UnitFetch
+
+__all__ = ["StepBuilder", "root_around_blocks"]
 
 
 class StepBuilder:
@@ -25,6 +30,7 @@ class StepBuilder:
         self._last: dict[str, int] = {}
 
     def fetch(self, unit: str, pids: Sequence[int], phase: Phase = Phase.FORWARD) -> StepBuilder:
+        """``unit`` is fetched (``phase``) and needs ``pids``."""
         unit_id = self._ids.setdefault(unit, len(self._ids))
         self._last[unit] = len(self.fetches)
         self.events.append(StepEvent(EventKind.FETCH, len(self.fetches)))
@@ -32,11 +38,13 @@ class StepBuilder:
         return self
 
     def exit(self, unit: str, pids: Sequence[int], keep: Sequence[int] = ()) -> StepBuilder:
+        """``unit`` exits, closing its last fetch; ``keep``: the ids its forward returned."""
         self.events.append(StepEvent(EventKind.EXIT, len(self.exits)))
         self.exits.append(UnitExit(unit, self._ids[unit], self._last[unit], tuple(pids), tuple(keep)))
         return self
 
     def build(self, persistent: Sequence[int] = ()) -> RecordedStep:
+        """The step written so far; ``persistent``: ids gathered for the whole run (and at the start)."""
         kept = frozenset(persistent)
         return RecordedStep(tuple(self.fetches), tuple(self.exits), tuple(self.events), self.numels, kept, kept)
 
