@@ -12,6 +12,7 @@ DDP's weights. Settings the engine cannot honour are refused by name.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "hf_trainer.py"
 DRIVER = REPO / "tests" / "hf_trainer_runs.py"
 DS_JSON = REPO / "tests" / "data" / "ds_config_zero3.json"
+MUON_JSON = REPO / "tests" / "data" / "ds_config_zero3_muon.json"
 
 
 def _torchrun(script: Path, *args: str, timeout: float) -> None:
@@ -52,10 +54,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # Hugging Face's documented ZeRO-3 JSON, unedited, against what DeepSpeed builds from it on DDP
         ["--out", str(root / "json"), "--json", str(DS_JSON)],
         ["--out", str(root / "json_ddp"), "--json", str(DS_JSON), "--ddp"],
+        # a JSON whose optimizer is DeepSpeed's Muon
+        ["--out", str(root / "muon"), "--json", str(MUON_JSON)],
     ]
     _torchrun(DRIVER, json.dumps(steps), timeout=400)
     return {"ddp": root / "ddp", "z3kit": root / "z3kit", "resumed": resumed, "json": root / "json",
-            "json_ddp": root / "json_ddp"}
+            "json_ddp": root / "json_ddp", "muon": root / "muon"}
 
 
 def test_the_loss_curve_matches_trainer_with_ddp(runs: dict[str, Path]) -> None:
@@ -76,6 +80,16 @@ def test_the_documented_deepspeed_json_trains_at_parity(runs: dict[str, Path]) -
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert [entry[3] for entry in z3[:4]] == pytest.approx([0.0, 0.0, 5e-3, 5e-3])  # DeepSpeed's log warmup over 2 steps
     assert len({entry[1] for entry in z3[2:4]}) == 2
+
+
+def test_a_json_with_muon_trains_and_saves(runs: dict[str, Path]) -> None:
+    """DeepSpeed's ``"type": "Muon"`` through Zero3Trainer (its math is pinned bit for bit against
+    ``torch.optim.Muon`` in ``tests/test_zero3_muon.py``): it trains, evaluates and saves."""
+    z3 = _curve(json.loads((runs["muon"] / "history.json").read_text()))
+    assert len(z3) == 6
+    losses = [entry[1] for entry in z3[:4]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert (runs["muon"] / "model.safetensors").is_file()
 
 
 def test_a_resumed_run_continues_exactly(runs: dict[str, Path]) -> None:

@@ -283,3 +283,22 @@ def test_a_rank_that_gathers_alone_is_named_on_every_rank(pools: PoolSet) -> Non
     for r in pools.run(2, _alone_worker):
         assert r["error"] is not None and "head.weight" in r["error"], r
         assert r["seconds"] < 10
+
+
+# -- an unmodified Hugging Face model's own counts and reads --------------------------------------------------
+def _hf_worker(ctx: WorkerContext) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=24, intermediate_size=36, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    twin = copy.deepcopy(model)
+    _engine(ctx, model)
+    reads = lambda m: [m.num_parameters(), m.num_parameters(only_trainable=True), m.dtype, m.device,  # noqa: E731
+                       _plain(m.get_output_embeddings().weight.norm()), _plain(m.get_input_embeddings().weight[3])]
+    return {"engine": reads(model), "twin": reads(twin)}
+
+
+def test_a_hugging_face_model_counts_and_reads_as_unsharded(pools: PoolSet) -> None:
+    for r in pools.run(2, _hf_worker):
+        _same(r["engine"], r["twin"], "HF reads")
