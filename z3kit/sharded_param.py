@@ -48,12 +48,15 @@ Note: what torch does with a sharded tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
 import torch
 from torch import nn
+
+from z3kit.partition import partition_of, shard_numel_for
 
 
 class ShardedValueError(RuntimeError):
@@ -70,29 +73,21 @@ class ShardSpec:
     rank: int = attrs.field(validator=attrs.validators.ge(0))
     world: int = attrs.field(validator=attrs.validators.gt(0))
 
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.world:
+            raise ValueError(f"rank must be in [0, {self.world}), got {self.rank}")
+
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def shard_numel(self) -> int:
-        return max(1, -(-self.numel // self.world))
+        return shard_numel_for(self.numel, self.world)
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's flat padded slice of ``full`` (a tensor of the logical shape)."""
-        flat = full.detach().reshape(-1)
-        n = self.shard_numel
-        start = min(self.rank * n, self.numel)
-        stop = min(start + n, self.numel)
-        part = flat[start:stop]
-        if part.numel() == n:
-            return part
-        out = flat.new_zeros(n)
-        out[: part.numel()] = part
-        return out
+        """This rank's flat padded slice of ``full`` (a tensor of the logical shape), a new tensor."""
+        return partition_of(full.detach().reshape(-1), self.rank, self.world)
 
 
 class ShardAccess(Protocol):
@@ -240,11 +235,11 @@ _METADATA = frozenset({
     "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps", "size", "dim", "ndim", "numel", "nelement",
     "element_size", "itemsize", "nbytes", "is_floating_point", "is_complex", "is_signed", "__len__", "names",
     "output_nr", "_version", "_base", "is_inference", "ndimension", "get_device", "is_contiguous", "_is_view",
-    "__hash__", "name", "requires_grad",
+    "__hash__", "name", "requires_grad", "stride",
 })
 
 _REFUSED = frozenset({
-    "untyped_storage", "storage", "_typed_storage", "storage_offset", "stride", "__reduce_ex__",
+    "untyped_storage", "storage", "_typed_storage", "storage_offset", "__reduce_ex__",
     "__getstate__", "__setstate__", "set_", "resize_", "as_strided", "as_strided_", "share_memory_",
     "pin_memory", "__dlpack__",
 })
