@@ -64,8 +64,8 @@ def test_it_trims_once_the_resident_set_grew_past_the_margin() -> None:
     trims: list[int] = []
     trim = glibc_trim()
     assert trim is not None
-    readings = iter([400 * 2**20, 404 * 2**20, 410 * 2**20, 400 * 2**20 + MIN_MARGIN_BYTES + 1, 380 * 2**20,
-                     390 * 2**20])
+    readings = iter([400 * 2**20, 402 * 2**20, 403 * 2**20, 400 * 2**20 + MIN_MARGIN_BYTES + 1, 380 * 2**20,
+                     383 * 2**20])
     heap = FreedHeap(lambda: (trims.append(1), trim())[1], read_resident=lambda: next(readings))
     # the first step's end is the reference; growth within the margin is the step's working set
     assert [heap.step_ended() for _ in range(3)] == [False, False, False] and heap.reference == 400 * 2**20

@@ -19,14 +19,17 @@ Note: why a sharded step needs it.
 Note: when it trims.
     ``malloc_trim(0)`` returns every free page of every heap, the ones the
     next step will reuse too, which that step then faults in again: 10 ms a
-    trim there, a few percent of a step if done every step. So a process
-    trims only once its resident set at a step's end has grown by
-    ``margin`` (16 MiB, or 1/32 of the resident set if larger) over the
-    resident set at the end of the first step after the last trim (which
-    holds the step's working set again): about once per 50 steps in that
-    run, for a resident set that stays within the margin of flat. Memory
-    that is really held (a growing cache of the user's) costs one trim per
-    margin it grows, and no more.
+    trim there (31 ms at most) against 0.23 s a step on that loaded
+    machine, a few percent if done every step. So a process trims only once
+    its resident set at a step's end has grown by ``margin`` (4 MiB, or
+    1/128 of the resident set if larger) over the resident set at the end
+    of the first step after the last trim (which holds the step's working
+    set again). With a 16 MiB margin that run trimmed 46 and 50 times per
+    rank in 800 steps and stayed at 375-392 MB, but the bench's 2,000 steps
+    (``python -m z3kit_recipes.bench --long-run``) read the sawtooth as
+    +9 MB per 1,000 steps; 4 MiB keeps it within a few MB (see
+    docs/measurements.md). Memory that is really held (a growing cache of
+    the user's) costs one trim per margin it grows, and no more.
 
 Where the C library is not glibc (musl, macOS, Windows), or it lacks
 ``malloc_trim``, this does nothing. No allocator setting is changed:
@@ -37,15 +40,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import threading
 from collections.abc import Callable
 from typing import Final
 
 #: the least growth of the resident set, in bytes, that a trim answers
-MIN_MARGIN_BYTES: Final = 16 * 2**20
+MIN_MARGIN_BYTES: Final = 4 * 2**20
 #: the margin as a fraction of the resident set, where that is larger
-MARGIN_FRACTION: Final = 1 / 32
+MARGIN_FRACTION: Final = 1 / 128
 _PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -60,7 +62,10 @@ def resident_bytes() -> int | None:
 
 def glibc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)``, or None where the C library is not glibc or lacks it."""
-    if platform.libc_ver()[0] != "glibc":
+    try:  # "glibc 2.35"; musl and macOS have no such name
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return None
+    except (ValueError, OSError, AttributeError):
         return None
     try:
         trim = ctypes.CDLL(None).malloc_trim
