@@ -26,9 +26,9 @@ Note: when it trims.
     of the first step after the last trim (which holds the step's working
     set again). With a 16 MiB margin that run trimmed 46 and 50 times per
     rank in 800 steps and stayed at 375-392 MB, but the bench's 2,000 steps
-    (``python -m z3kit_recipes.bench --long-run``) read the sawtooth as
-    +9 MB per 1,000 steps; 4 MiB keeps it within a few MB (see
-    docs/measurements.md). Memory that is really held (a growing cache of
+    (``python -m z3kit_recipes.bench --long-run``) found its envelope
+    growing 3.9 MB per 1,000 steps against DDP's 0.5; 4 MiB keeps it
+    within DDP's plus 2 (docs/measurements.md). Memory that is really held (a growing cache of
     the user's) costs one trim per margin it grows, and no more.
 
 Where the C library is not glibc (musl, macOS, Windows), or it lacks
