@@ -19,8 +19,7 @@ Note: why a sharded step needs it.
 Note: when it trims.
     ``malloc_trim(0)`` returns every free page of every heap, the ones the
     next step will reuse too, which that step then faults in again: 10 ms a
-    trim there (31 ms at most) against 0.23 s a step on that loaded
-    machine, a few percent if done every step. So a process trims only once
+    trim there (31 ms at most), and the faults on top. So a process trims only once
     its resident set at a step's end has grown by ``margin`` (4 MiB, or
     1/128 of the resident set if larger) over the resident set at the end
     of the first step after the last trim (which holds the step's working
@@ -28,8 +27,14 @@ Note: when it trims.
     rank in 800 steps and stayed at 375-392 MB, but the bench's 2,000 steps
     (``python -m z3kit_recipes.bench --long-run``) found its envelope
     growing 3.9 MB per 1,000 steps against DDP's 0.5; 4 MiB keeps it
-    within DDP's plus 2 (docs/measurements.md). Memory that is really held (a growing cache of
-    the user's) costs one trim per margin it grows, and no more.
+    within DDP's plus 2 (docs/measurements.md). Memory that is really
+    held (a growing cache of the user's) costs one trim per margin it
+    grows, and no more.
+
+    The price at 4 MiB, on that model: 18-30% of its 90 ms step (400 steps
+    in 43.5 and 44.5 s against 37.0 and 34.1 s without), since each trim
+    makes the next step fault its working set in again. A stopgap: a step
+    that reuses its buffers would leave nothing to trim.
 
 Where the C library is not glibc (musl, macOS, Windows), or it lacks
 ``malloc_trim``, this does nothing. No allocator setting is changed:
