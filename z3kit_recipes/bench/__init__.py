@@ -7,6 +7,7 @@
         [--tie-mode hf|functional] [--zero-config JSON] [--pycache-dir DIR]
         [--out bench.json] [--plot]
     python -m z3kit_recipes.bench --mesh RxS [--workload tiny|gpt|llama] [--steps N] [--warmup N]
+    python -m z3kit_recipes.bench --long-run [--steps 2000] [--warmup 300] [--sample-every 50]
 
 Every runtime trains the same workload (:mod:`z3kit_recipes.models`): the same
 seeded initial weights on every rank, the same per-rank data (seeded by rank
@@ -36,6 +37,8 @@ per runtime family), ``report`` (comparison with DDP, table), ``plot``.
 ranks, by bytes crossing nodes): ``mesh`` (driver, table), ``mesh_spec``
 (mesh, layouts, bounds), ``mesh_rank`` (what a rank does), ``mesh_checks``
 (the targets), ``link_count`` (bytes per link from the c10d operators).
+``--long-run`` (each rank's resident set over a long run, DDP against z3kit,
+under glibc's default malloc settings): ``long_run``.
 """
 
 from z3kit_recipes.bench.cli import build_parser, main, run

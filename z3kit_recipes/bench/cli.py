@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from z3kit_recipes.bench.long_run import add_long_run_options
 from z3kit_recipes.bench.mesh_spec import MeshShape
 from z3kit_recipes.bench.overhead_cli import add_overhead_options
 from z3kit_recipes.bench.report import compare_to_ddp, render_table
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "gloo ranks (LOCAL_WORLD_SIZE=S), by bytes crossing nodes, step time and memory "
                         "(--workload: default gpt; --threads: default 1; --world and --runtimes are ignored)")
     add_overhead_options(p)
+    add_long_run_options(p)
     p.add_argument("--out", "--json", type=Path, default=Path("runs/bench.json"),
                    help="JSON report path (--overhead: default runs/bench_overhead.json)")
     p.add_argument("--plot", action="store_true",
@@ -285,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from z3kit_recipes.bench.overhead_cli import main_overhead
 
         return main_overhead(args)
+    if args.long_run:  # each rank's resident set over a long run, in place of the runtime table
+        from z3kit_recipes.bench.long_run import main_long_run
+
+        return main_long_run(args)
     if args.mesh is not None:  # the layouts' comparison in place of the runtime table
         from z3kit_recipes.bench.mesh import main_mesh
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from z3kit.freed_heap import PROCESS_HEAP
 from z3kit_recipes.zero3.ranks.agreement import RanksDisagree
 from z3kit_recipes.zero3.ranks.rank_watch import RankFailed
 from z3kit_recipes.zero3.runtime.between_uses import ParamsBetweenUses
@@ -171,6 +172,7 @@ class EngineCore:
             report_progress(self.global_step, self.skipped_steps, self.optimizer, self.rank)
         self.parts.stats.optimizer_step()
         self.parts.timeline.step_boundary()
+        PROCESS_HEAP.step_ended()  # the host heap the step freed goes back to the kernel (z3kit.freed_heap)
         return True
 
     @property
