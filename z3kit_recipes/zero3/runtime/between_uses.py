@@ -123,7 +123,7 @@ class ParamsBetweenUses:
             coordinator.ensure_gathered([pid])
             with torch.no_grad():
                 values = shard.param.detach().clone()
-            if released and not coordinator.holds.held(pid) and not coordinator.persistent[pid]:
+            if released and not coordinator.holds.held(pid) and not coordinator.stays_gathered(pid):
                 coordinator.gatherer.free([pid])
         return values
 

@@ -268,9 +268,13 @@ class ParamCoordinator:
         self.gatherer.ensure_gathered(pids)
         self.holds.pin(pids)
 
+    def stays_gathered(self, pid: int) -> bool:
+        """``pid`` stays gathered between forwards: persistent, pinned, or kept across steps by the plan."""
+        return self.persistent[pid] or self.holds.pinned(pid) or pid in self.plans.kept
+
     def unpin(self, pids: Iterable[int]) -> None:
         """Undo one ``pin`` of ``pids``; free those no longer pinned or used."""
-        self.discard(p for p in self.holds.unpin(pids) if not self.persistent[p] and p not in self.plans.kept)
+        self.discard(p for p in self.holds.unpin(pids) if not self.stays_gathered(p))
 
     def release_all(self) -> None:
         """Complete gathers in flight and free every parameter that is neither
@@ -278,9 +282,7 @@ class ParamCoordinator:
         backward, after an eval forward, after an error)."""
         self.gatherer.wait_inflight()
         self.holds.drop_modules()
-        kept = self.plans.kept
-        self.gatherer.free(p for p in self.gatherer.gathered()
-                           if not self.persistent[p] and not self.holds.pinned(p) and p not in kept)
+        self.gatherer.free(p for p in self.gatherer.gathered() if not self.stays_gathered(p))
 
     def shards_changed(self, pids: Sequence[int], *, written_later: frozenset[int] = frozenset()) -> None:
         """The shards of ``pids`` changed, between forwards (``EngineCore.shards_changed``
