@@ -55,7 +55,6 @@ class ParamsBetweenUses:
         self.parts = parts
         self.shards = parts.layout.shards
         self._shards_changed, self._check_idle = shards_changed, check_idle
-        self.sharded: list[ShardedParam] = []
         index = parts.coordinator.index
         registrations: list[list[tuple[nn.Module, str]]] = [[] for _ in self.shards]
         for module in parts.module.modules():
@@ -70,15 +69,14 @@ class ParamsBetweenUses:
             for attr in ("ds_shape", "ds_numel"):  # DeepSpeed's names, which Hugging Face and PEFT read
                 if hasattr(plain, attr):
                     setattr(sharded, attr, getattr(plain, attr))
-            self.sharded.append(sharded)
             index[id(sharded)] = pid
             shard.show_between_uses(sharded, registrations[pid])
         parts.backward.watch_external_gradients(list(parts.layout.trainable))
-        parts.model_watch.also_known_as({id(s): id(shard.param) for s, shard in zip(self.sharded, self.shards)})
+        parts.model_watch.also_known_as({id(s.between_uses): id(s.param) for s in self.shards})
 
     def _pid(self, t: ShardedTensor) -> int | None:
-        home = t._home
-        return home if isinstance(home, int) and home < len(self.sharded) else None
+        home = t._home  # set only on the sharded parameters this runtime made (copies have none)
+        return home if isinstance(home, int) else None
 
     # -- ShardAccess ----------------------------------------------------------------------------------------
     def parameter(self, t: ShardedTensor) -> nn.Parameter | None:
