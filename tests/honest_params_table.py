@@ -151,6 +151,10 @@ REFUSALS = [
         _no_grad(lambda m, x: _w(m).index_fill_(0, torch.tensor([0]), 0.0))),
     Row("p.mul_(2) under autograd (in place on a leaf that requires grad, as torch refuses)", REFUSED,
         lambda m, x: _w(m).mul_(2)),
+    Row("torch._foreach_mul_(params, 0.9) under autograd (as torch refuses)", REFUSED,
+        lambda m, x: torch._foreach_mul_(_params(m), 0.9)),
+    Row("torch._foreach_add_(params, [a tensor of another shape] * n) (in place, not elementwise)", REFUSED,
+        _no_grad(lambda m, x: torch._foreach_add_(_params(m), [torch.ones(1, 1, 2)] * len(_params(m))))),
 ]
 
 #: between a backward and the optimizer step: values read as above; gradients are the engine's partitions

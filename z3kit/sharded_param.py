@@ -210,9 +210,7 @@ class ShardedTensor(torch.Tensor):
             if done is not _NOT_ELEMENTWISE:
                 return done
         if name.endswith("_") and not name.endswith("__") and _first_tensor_is_sharded(args):
-            raise ShardedValueError(
-                f"in-place {name}() on a sharded parameter is not elementwise over its shards; write it inside "
-                "engine.gathered_parameters(modifier_rank=0), or use an elementwise form (copy_, add_, mul_, lerp_)")
+            raise _not_elementwise_in_place(name)
         return _compute(func, args, kwargs)
 
     @classmethod
@@ -281,6 +279,18 @@ def _first_tensor_is_sharded(args: Sequence[Any]) -> bool:
     return bool(args) and isinstance(args[0], ShardedTensor)
 
 
+def _not_elementwise_in_place(name: str) -> ShardedValueError:
+    return ShardedValueError(
+        f"in-place {name}() on a sharded parameter is not elementwise over its shards; write it inside "
+        "engine.gathered_parameters(modifier_rank=0), or use an elementwise form (copy_, add_, mul_, lerp_)")
+
+
+def _check_leaf_in_place(target: ShardedTensor) -> None:
+    """Refuse an in-place write under autograd to a sharded tensor that requires grad, as torch refuses it."""
+    if torch.is_grad_enabled() and _requires_grad(target) and target.is_leaf:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+
+
 # -- elementwise on the shards ------------------------------------------------------------------------------
 
 def _aligned(spec: ShardSpec, value: Any) -> torch.Tensor | None | object:
@@ -340,8 +350,7 @@ def _elementwise(func: Callable[..., Any], name: str, args: Sequence[Any], kwarg
     needs_grad = torch.is_grad_enabled() and any(_requires_grad(a) for a in sharded)
     if inplace:
         assert isinstance(target, ShardedTensor)
-        if needs_grad and _requires_grad(target) and target.is_leaf:
-            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        _check_leaf_in_place(target)
     elif needs_grad:
         return _NOT_ELEMENTWISE  # autograd needs the whole value: computed on it
     local_args = [_aligned(spec, a) for a in args]
@@ -371,7 +380,8 @@ def _write(target: ShardedTensor, func: Callable[..., Any], operands: Sequence[A
 def _foreach(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``torch._foreach_*``: elementwise per position. A position whose
     operands all share its first sharded tensor's layout runs on the shards;
-    any other is computed on the whole values."""
+    any other is computed on the whole values, except an in-place one whose
+    target is sharded: refused, as the non-foreach form is."""
     is_list = [isinstance(a, (list, tuple)) for a in args]
     if not any(is_list):
         return _NOT_ELEMENTWISE
@@ -382,6 +392,8 @@ def _foreach(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: d
         row = [a[i] if listed else a for a, listed in zip(args, is_list)]
         sharded = [x for x in row if isinstance(x, ShardedTensor)]
         out: Any = _NOT_ELEMENTWISE
+        if inplace and isinstance(row[0], ShardedTensor):
+            _check_leaf_in_place(row[0])
         if sharded and not (torch.is_grad_enabled() and any(_requires_grad(x) for x in sharded)) and (
                 not inplace or isinstance(row[0], ShardedTensor)):
             spec = sharded[0]._spec
@@ -398,6 +410,8 @@ def _foreach(func: Callable[..., Any], name: str, args: Sequence[Any], kwargs: d
                     local = per_position(*aligned, **kwargs)[0]  # type: ignore[arg-type]
                 out = ShardedTensor(spec, local, sharded[0]._access)
         if out is _NOT_ELEMENTWISE:
+            if inplace and isinstance(row[0], ShardedTensor):
+                raise _not_elementwise_in_place(name)  # a gathered copy written would be lost
             computed = _compute(func, [[x] if listed else x for x, listed in zip(row, is_list)], kwargs)
             out = None if inplace else computed[0]
         if not inplace:
