@@ -200,6 +200,8 @@ class ShardedTensor(torch.Tensor):
             return special(func, args, kwargs)
         if name in _REFUSED:
             raise ShardedValueError(_refusal(f"{name}()"))
+        if isinstance(kwargs.get("out"), ShardedTensor):  # out= writes around the owner: refused, however elementwise
+            raise _not_elementwise_in_place(f"{name}(..., out=param)")
         if name in _RANDOM_FILLS:
             raise ShardedValueError(
                 f"{name}() on a sharded parameter: each rank would draw its own slice of the numbers, not those of "
@@ -209,8 +211,10 @@ class ShardedTensor(torch.Tensor):
             done = _elementwise(func, name, args, kwargs)
             if done is not _NOT_ELEMENTWISE:
                 return done
-        if name.endswith("_") and not name.endswith("__") and _first_tensor_is_sharded(args):
-            raise _not_elementwise_in_place(name)
+        writes_shard = (name.endswith("_") and not name.endswith("__") or name == "__setitem__") and \
+            _first_tensor_is_sharded(args)
+        if writes_shard:
+            raise _not_elementwise_in_place(name)  # computed on a gathered copy, the write would be lost
         return _compute(func, args, kwargs)
 
     @classmethod
@@ -281,7 +285,8 @@ def _first_tensor_is_sharded(args: Sequence[Any]) -> bool:
 
 def _not_elementwise_in_place(name: str) -> ShardedValueError:
     return ShardedValueError(
-        f"in-place {name}() on a sharded parameter is not elementwise over its shards; write it inside "
+        f"in-place {name if '(' in name else name + '()'} on a sharded parameter is not elementwise over its "
+        "shards; write it inside "
         "engine.gathered_parameters(modifier_rank=0), or use an elementwise form (copy_, add_, mul_, lerp_)")
 
 
